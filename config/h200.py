@@ -1,0 +1,36 @@
+# One H200 (141 GB): the bench_2b model (2.43B total, 0.79B active; spec §7.2) from scratch, with the
+# embedded rollout server on the same GPU. It measures step time and memory at real V4 shapes (head_dim 512,
+# ratios 4/128, real vocab); a random model scores ~0 on math, so read t_roll/t_train/mfu, not reward.
+# Use --data=toy to see reward move.
+#   python train_grpo.py config/h200.py
+out_dir = 'out/h200'
+seed = 1337
+max_steps = 20
+
+init_from = 'scratch'
+model_config = 'config/models/bench_2b.json'
+dtype = 'bfloat16'
+
+# one GPU, so no PP/EP; micro-batches bound activation memory (128 samples / 16 = 8 per micro-batch)
+pp_size = 1
+ep_size = 1
+n_microbatches = 16
+recompute = True  # ~2k-token samples x 4 mHC streams; spec §7.2 budgets ~80 GB for activations
+optimizer_offload = False  # fp32 master + Adam is ~39 GB, it fits
+
+# embedded server, colocated: the weights are handed over on the same GPU, in bf16
+rollout_url = ''
+weight_sync = 'tensor'
+rollout_quant = 'none'
+
+# offline copies in shared/data (see shared/data/README.md); AIME-2024 is 30 problems
+data = 'shared/data/dapo_math_17k/dapo_math_17k.jsonl'
+eval_data = 'shared/data/aime2024/aime2024.jsonl'
+n_prompts, n_samples = 16, 8
+max_new_tokens = 2048
+temperature, top_p = 0.8, 1.0
+lr, lr_schedule = 1e-6, 'constant'
+eps_low, eps_high = 0.2, 0.28
+tis_cap = 2.0
+eval_interval, eval_n_samples = 10, 8
+checkpoint_interval, keep_checkpoints = 10, 1

@@ -1,0 +1,754 @@
+"""
+DeepSeek-V4 (Flash) in plain PyTorch: one nn.Module per paper concept, training-first.
+
+Spec: ../shared/docs/dsv4_spec.md. Parameter names equal the official checkpoint names
+(`layers.3.attn.wq_a.weight`, `layers.0.ffn.gate.tid2eid`, `hc_head_fn`, ...), so one name space serves
+loading, saving and weight sync to SGLang. Precision is explicit: parameters and the residual stream are
+in the model dtype (bf16 by default, fp32 for parity tests); mHC, router, compressor pooling, norms and
+logits are computed in fp32 as in the reference. Every mechanism is in the full-sequence (training) form;
+engine.py holds the KV-cache decode form of the same modules.
+
+Shape legend: B batch, T tokens, D hidden, n hc streams, H heads, d head dim, rd rope dims,
+S compressed entries (T // ratio), E routed experts, K experts per token, N = B*T tokens.
+"""
+import glob
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields, asdict
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# config
+
+@dataclass
+class ModelArgs:
+    """Field names are the official config.json keys. Defaults are the tiny CPU model (spec §7.1)."""
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_hidden_layers: int = 8
+    num_nextn_predict_layers: int = 1  # MTP depth (mtp.0.*)
+    max_position_embeddings: int = 256  # = YaRN factor x original length, as transformers expects
+    # attention (shared-KV MQA: one kv head, K == V)
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 1
+    head_dim: int = 128
+    qk_rope_head_dim: int = 64  # RoPE on the *last* rd dims of every head
+    q_lora_rank: int = 128
+    o_groups: int = 2
+    o_lora_rank: int = 128
+    sliding_window: int = 32
+    # per layer, trunk then MTP: 0 = window only, 4 = CSA (overlap compressor + indexer), other = HCA
+    compress_ratios: list = field(default_factory=lambda: [0, 0, 4, 16, 4, 16, 4, 0, 0])
+    rope_theta: float = 10000.0  # ratio-0 layers, plain RoPE
+    compress_rope_theta: float = 160000.0  # compressed layers, with YaRN
+    rope_scaling: dict = field(default_factory=lambda: {"type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
+                                                        "beta_fast": 32, "beta_slow": 1})
+    index_n_heads: int = 4
+    index_head_dim: int = 128
+    index_topk: int = 8
+    # moe
+    n_routed_experts: int = 16
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 4
+    moe_intermediate_size: int = 128
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    # hash routing: the first num_hash_layers layers pick experts by tid2eid[token_id]
+    num_hash_layers: int = 3
+    # hc (manifold-constrained hyper-connections)
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6
+    # tokens
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+
+    # keys we read elsewhere or that carry no architecture: accepted and dropped
+    IGNORED = {"architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "quantization_config",
+               "expert_dtype", "hidden_act", "attention_bias", "attention_dropout", "use_cache", "pad_token_id",
+               "topk_method", "mlp_bias", "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
+               "auto_map", "scale_fmt", "_name_or_path", "n_group", "topk_group", "partial_rotary_factor",
+               "layer_types", "mlp_layer_types", "compress_rates", "rope_parameters",
+               # transformers' generic PreTrainedConfig fields
+               "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "output_attentions",
+               "output_hidden_states", "problem_type", "return_dict", "tokenizer_class", "generation_config"}
+
+    @classmethod
+    def from_json(cls, path_or_dict) -> "ModelArgs":
+        """Official DeepSeek-V4 keys or transformers-normalised keys; unknown or inconsistent -> ValueError."""
+        cfg = dict(path_or_dict) if isinstance(path_or_dict, dict) else json.load(open(path_or_dict))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in cfg if k not in known and k not in cls.IGNORED)
+        if unknown:
+            raise ValueError(f"config: unknown field(s) {unknown}")
+        args = cls(**{k: v for k, v in cfg.items() if k in known})
+        n = args.num_hidden_layers
+        # transformers' normalised form: layer_types + compress_rates, mlp_layer_types, rope_parameters
+        if "layer_types" in cfg:
+            rates = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+            rates.update(cfg.get("compress_rates") or {})
+            bad = [t for t in cfg["layer_types"] if t not in rates]
+            if bad or len(cfg["layer_types"]) != n:
+                raise ValueError(f"config: layer_types must list {n} of {sorted(rates)}, got {cfg['layer_types']}")
+            ratios = [rates[t] for t in cfg["layer_types"]]
+            if "compress_ratios" in cfg and list(cfg["compress_ratios"][:n]) != ratios:
+                raise ValueError(f"config: compress_ratios {cfg['compress_ratios']} disagree with layer_types {ratios}")
+            args.compress_ratios = list(cfg.get("compress_ratios", ratios + [0] * args.num_nextn_predict_layers))
+        if "mlp_layer_types" in cfg:
+            hashes = [t == "hash_moe" for t in cfg["mlp_layer_types"]]
+            n_hash = sum(hashes)
+            if hashes != [True] * n_hash + [False] * (len(hashes) - n_hash):
+                raise ValueError(f"config: hash_moe layers must come first, got {cfg['mlp_layer_types']}")
+            if "num_hash_layers" in cfg and cfg["num_hash_layers"] != n_hash:
+                raise ValueError(f"config: num_hash_layers {cfg['num_hash_layers']} disagrees with mlp_layer_types")
+            args.num_hash_layers = n_hash
+        rp = cfg.get("rope_parameters")
+        if isinstance(rp, dict) and isinstance(rp.get("main"), dict):
+            args.rope_theta = rp["main"].get("rope_theta", args.rope_theta)
+            comp = dict(rp["compress"])
+            args.compress_rope_theta = comp.pop("rope_theta", args.compress_rope_theta)
+            if comp.get("rope_type", comp.get("type")) == "yarn":
+                args.rope_scaling = {"type": "yarn", **{k: comp[k] for k in ("factor", "original_max_position_embeddings",
+                                                                            "beta_fast", "beta_slow") if k in comp}}
+            else:
+                args.rope_scaling = None
+        if "partial_rotary_factor" in cfg and "qk_rope_head_dim" not in cfg:
+            args.qk_rope_head_dim = int(args.head_dim * cfg["partial_rotary_factor"])
+        args.check()
+        return args
+
+    def check(self):
+        """Configs that would build a different model than they describe are a ValueError naming the field."""
+        n, r = self.num_hidden_layers, self.compress_ratios
+        if len(r) == n:  # MTP layers are window-only when the list stops at the trunk
+            self.compress_ratios = r = list(r) + [0] * self.num_nextn_predict_layers
+        problems = {
+            "compress_ratios": len(r) != n + self.num_nextn_predict_layers or any(x < 0 for x in r),
+            "num_key_value_heads": self.num_key_value_heads != 1,
+            "n_shared_experts": self.n_shared_experts != 1,
+            "scoring_func": self.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"),
+            "qk_rope_head_dim": self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim,
+            "o_groups": self.num_attention_heads % self.o_groups != 0,
+            "num_experts_per_tok": self.num_experts_per_tok > self.n_routed_experts,
+            "num_hash_layers": self.num_hash_layers > n,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_scaling": self.rope_scaling is not None and self.rope_scaling.get("type",
+                                self.rope_scaling.get("rope_type")) not in ("yarn", "default"),
+        }
+        bad = [k for k, v in problems.items() if v]
+        if bad:
+            raise ValueError(f"config: unsupported or inconsistent field(s) {bad}: "
+                             + ", ".join(f"{k}={getattr(self, k)!r}" for k in bad))
+
+    def to_json(self) -> dict:
+        """Official keys plus transformers' normalised keys, so both loaders read the same file."""
+        d = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **asdict(self)}
+        n = self.num_hidden_layers
+        trunk = self.compress_ratios[:n]
+        hca = sorted({x for x in trunk if x not in (0, 4)})
+        assert len(hca) <= 1, f"transformers keeps one HCA rate, this config has {hca}"
+        names = {0: "sliding_attention", 4: "compressed_sparse_attention"}
+        d["layer_types"] = [names.get(x, "heavily_compressed_attention") for x in trunk]
+        d["compress_rates"] = {"compressed_sparse_attention": 4, "heavily_compressed_attention": hca[0] if hca else 128}
+        d["mlp_layer_types"] = ["hash_moe"] * self.num_hash_layers + ["moe"] * (n - self.num_hash_layers)
+        d["hidden_act"], d["torch_dtype"] = "silu", "bfloat16"
+        return d
+
+
+# -----------------------------------------------------------------------------
+# building blocks
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in fp32 with an fp32 weight, rounded once to the input dtype."""
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+@lru_cache(maxsize=64)
+def rope_inv_freq(rd, theta, scaling_items=None):
+    """Per-pair inverse frequencies theta_i = base^(-2i/rd); YaRN blends in theta_i/factor (no mscale, spec §2.4)."""
+    inv = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+    s = dict(scaling_items or ())
+    if s.get("type", s.get("rope_type")) == "yarn":
+        factor, orig = s["factor"], s["original_max_position_embeddings"]
+        corr = lambda rot: rd * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+        low = max(math.floor(corr(s.get("beta_fast", 32))), 0)
+        high = min(math.ceil(corr(s.get("beta_slow", 1))), rd - 1)
+        ramp = ((torch.arange(rd // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        inv = inv / factor * ramp + inv * (1 - ramp)
+    return inv
+
+
+def rope_cos_sin(args, ratio, pos):
+    """cos/sin [len(pos), rd/2] for a layer: plain base for ratio 0, compress base + YaRN otherwise."""
+    if ratio == 0:
+        inv = rope_inv_freq(args.qk_rope_head_dim, float(args.rope_theta))
+    else:
+        items = tuple(sorted((args.rope_scaling or {}).items()))
+        inv = rope_inv_freq(args.qk_rope_head_dim, float(args.compress_rope_theta), items)
+    ang = pos.float()[:, None] * inv.to(pos.device)[None, :]
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Interleaved-pair RoPE (x[2i], x[2i+1]) on the last 2*cos.shape[-1] dims of x, in fp32.
+    x: [..., T, (H,) d]; cos/sin broadcast against x's rope slice without its last dim halved.
+    Pass -sin for the inverse rotation."""
+    rd = 2 * cos.shape[-1]
+    nope, rope = x[..., :-rd], x[..., -rd:].float()
+    x0, x1 = rope[..., 0::2], rope[..., 1::2]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+    return torch.cat([nope, out.to(x.dtype)], dim=-1)
+
+
+# -----------------------------------------------------------------------------
+# attention: sliding window + compressed KV (CSA / HCA), sink, grouped output projection
+
+class Compressor(nn.Module):
+    """Pools every `ratio` tokens into one KV entry with a per-channel softmax gate (spec §2.3 steps 6-9).
+    ratio 4 overlaps: entry w pools window w-1 (first-half channels) and window w (second half)."""
+    def __init__(self, args, ratio, head_dim):
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
+        coff = 2 if self.overlap else 1
+        self.wkv = nn.Linear(args.hidden_size, coff * head_dim, bias=False)
+        self.wgate = nn.Linear(args.hidden_size, coff * head_dim, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim, dtype=torch.float32))
+        self.norm = RMSNorm(head_dim, args.rms_norm_eps)
+
+    def project(self, x):
+        """Per-token kv and gate scores in fp32: [B, T, coff*d] each (the reference computes them in fp32)."""
+        xf = x.float()
+        return F.linear(xf, self.wkv.weight.float()), F.linear(xf, self.wgate.weight.float())
+
+    def pool(self, kv, score, prev_kv=None, prev_score=None):
+        """kv, score: [B, W, ratio, coff*d] for W complete windows (ape not yet added).
+        prev_*: [B, ratio, d] first-half channels of the window before the first one (overlap only).
+        Returns the pooled, fp32 entries [B, W, d]."""
+        d, m = self.head_dim, self.ratio
+        score = score + self.ape
+        if self.overlap:
+            B, W = kv.shape[:2]
+            if prev_kv is None:  # no window before position 0: zero kv with -inf score, softmax weight 0
+                prev_kv = kv.new_zeros(B, m, d)
+                prev_score = score.new_full((B, m, d), float("-inf"))
+            prev_kv = torch.cat([prev_kv[:, None], kv[:, :-1, :, :d]], dim=1)
+            prev_score = torch.cat([prev_score[:, None], score[:, :-1, :, :d]], dim=1)
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=2)  # [B, W, 2m, d]
+            score = torch.cat([prev_score, score[..., d:]], dim=2)
+        return (kv * score.softmax(dim=2)).sum(dim=2)  # softmax over slots, independently per channel
+
+    def finish(self, entries, args, pos):
+        """Norm in the model dtype, then RoPE at the window's first token position w*ratio."""
+        entries = self.norm(entries.to(self.wkv.weight.dtype))
+        cos, sin = rope_cos_sin(args, self.ratio, pos)
+        return apply_rope(entries, cos, sin)
+
+    def forward(self, x, args):
+        # x: [B, T, D] -> [B, T // ratio, d]; a trailing partial window emits nothing
+        B, T, _ = x.shape
+        W = T // self.ratio
+        kv, score = self.project(x[:, :W * self.ratio])
+        view = lambda t: t.view(B, W, self.ratio, -1)
+        pos = torch.arange(W, device=x.device) * self.ratio
+        return self.finish(self.pool(view(kv), view(score)), args, pos)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer (CSA layers): score[t,s] = sum_h w[t,h] relu(q[t,h] . k[s]); keeps the top-k
+    visible entries. Selection is discrete, so these weights get no gradient from the LM loss
+    (V4 trains them with a separate distillation loss, which this project does not use)."""
+    def __init__(self, args):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(args, 4, self.head_dim)
+
+    def scores(self, x, qr, k, cos, sin):
+        # x: [B, T, D], qr: [B, T, q_lora], k: [B, S, hd] -> [B, T, S] fp32
+        B, T, _ = x.shape
+        q = apply_rope(self.wq_b(qr).view(B, T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
+        w = F.linear(x, self.weights_proj.weight).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        s = torch.einsum("bthd,bsd->bths", q.float(), k.float()).relu()
+        return torch.einsum("bths,bth->bts", s, w)
+
+    def forward(self, x, qr, args, visible):
+        # visible: [T, S] causal visibility of compressed entries -> bool [B, T, S] selected entries
+        B, T, _ = x.shape
+        k = self.compressor(x, args)
+        cos, sin = rope_cos_sin(args, 4, torch.arange(T, device=x.device))
+        score = self.scores(x, qr, k, cos, sin).masked_fill(~visible, float("-inf"))
+        idx = score.topk(min(self.topk, k.shape[1]), dim=-1).indices
+        chosen = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True)
+        return chosen & visible  # picks that landed on invisible entries mean "no entry"
+
+
+def sink_attention(q, kv, mask, sink, scale):
+    """Softmax attention where a per-head sink logit enlarges the denominator only.
+    q: [B, T, H, d], kv: [B, L, d] (K == V), mask: bool [B or 1, T, L], sink: [H] -> [B, T, H, d]"""
+    logits = torch.einsum("bthd,bld->bhtl", q.float(), kv.float()) * scale
+    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    B, H, T, _ = logits.shape
+    sinks = sink.float().view(1, H, 1, 1).expand(B, H, T, 1)
+    probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("bhtl,bld->bthd", probs.to(kv.dtype), kv)
+
+
+class Attention(nn.Module):
+    """Shared-KV MQA with a low-rank query, sliding window + optional compressed keys, and an attention sink."""
+    def __init__(self, layer_id, args):
+        super().__init__()
+        self.args, self.layer_id = args, layer_id
+        self.ratio = args.compress_ratios[layer_id]
+        H, d = args.num_attention_heads, args.head_dim
+        self.n_heads, self.head_dim, self.softmax_scale = H, d, d ** -0.5
+        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, H * d, bias=False)
+        self.wkv = nn.Linear(args.hidden_size, d, bias=False)
+        self.kv_norm = RMSNorm(d, args.rms_norm_eps)
+        self.wo_a = nn.Linear(H * d // args.o_groups, args.o_groups * args.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.compressor = Compressor(args, self.ratio, d) if self.ratio else None
+        self.indexer = Indexer(args) if self.ratio == 4 else None
+
+    def query(self, x, cos, sin):
+        # x: [B, T, D] -> q [B, T, H, d] (unweighted per-head RMSNorm, RoPE on the last rd dims), qr [B, T, q_lora]
+        B, T, _ = x.shape
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(B, T, self.n_heads, self.head_dim)
+        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.args.rms_norm_eps).to(q.dtype)
+        return apply_rope(q, cos[:, None], sin[:, None]), qr
+
+    def window_kv(self, x, cos, sin):
+        # x: [B, T, D] -> [B, T, d], one head shared by all query heads, used as both key and value
+        return apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+
+    def output(self, o, cos, sin):
+        # o: [B, T, H, d]; undo RoPE on the value's rope slice at the query position, then grouped wo_a, wo_b
+        B, T = o.shape[:2]
+        o = apply_rope(o, cos[:, None], -sin[:, None])
+        g = self.args.o_groups
+        wo_a = self.wo_a.weight.view(g, self.args.o_lora_rank, -1)  # [g, o_rank, H*d/g]
+        u = torch.einsum("btgi,goi->btgo", o.reshape(B, T, g, -1), wo_a)
+        return self.wo_b(u.flatten(2))
+
+    def forward(self, x):
+        # x: [B, T, D] -> [B, T, D]
+        B, T, _ = x.shape
+        pos = torch.arange(T, device=x.device)
+        cos, sin = rope_cos_sin(self.args, self.ratio, pos)
+        q, qr = self.query(x, cos, sin)
+        kv = self.window_kv(x, cos, sin)
+        # window: key j visible from query t iff t - window < j <= t
+        mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.args.sliding_window))[None]
+        if self.ratio:
+            ckv = self.compressor(x, self.args)  # [B, S, d]
+            S = ckv.shape[1]
+            # entry s covers tokens up to s*ratio + ratio - 1, so query t sees s < (t + 1) // ratio
+            visible = torch.arange(S, device=x.device)[None, :] < ((pos + 1) // self.ratio)[:, None]  # [T, S]
+            cmask = self.indexer(x, qr, self.args, visible) if self.indexer is not None else visible[None]
+            kv = torch.cat([kv, ckv], dim=1)
+            mask = torch.cat([mask.expand(cmask.shape[0], -1, -1), cmask], dim=-1)
+        o = sink_attention(q, kv, mask, self.attn_sink, self.softmax_scale)
+        return self.output(o, cos, sin)
+
+
+# -----------------------------------------------------------------------------
+# MoE: sqrt-softplus router (or a hash table), clamped SwiGLU experts, one shared expert
+
+class Gate(nn.Module):
+    """Router. Learned layers pick top-k of (score + bias); the bias steers selection only.
+    Hash layers (layer_id < num_hash_layers) pick tid2eid[token_id]; the learned scores still weight them."""
+    def __init__(self, layer_id, args):
+        super().__init__()
+        self.args, self.hash = args, layer_id < args.num_hash_layers
+        E, K = args.n_routed_experts, args.num_experts_per_tok
+        self.weight = nn.Parameter(torch.empty(E, args.hidden_size))
+        # Buffers, not parameters: neither gets a gradient. Both are saved and synced (a zero tid2eid is a
+        # different model). bias is moved by load balancing, which RL leaves frozen.
+        if self.hash:
+            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, K, dtype=torch.int64))
+        else:
+            self.register_buffer("bias", torch.zeros(E, dtype=torch.float32))
+
+    def forward(self, x, ids):
+        # x: [N, D], ids: [N] -> weights [N, K] fp32, expert ids [N, K]
+        logits = F.linear(x.float(), self.weight.float())
+        f = self.args.scoring_func
+        scores = logits.softmax(-1) if f == "softmax" else logits.sigmoid() if f == "sigmoid" else F.softplus(logits).sqrt()
+        if self.hash:
+            idx = self.tid2eid[ids]
+        else:
+            idx = (scores + self.bias).topk(self.args.num_experts_per_tok, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.args.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w * self.args.routed_scaling_factor, idx
+
+
+class Expert(nn.Module):
+    """SwiGLU with a clamp: gate clamped from above, up on both sides; the routing weight multiplies
+    before w2, in fp32 (reference order)."""
+    def __init__(self, dim, inter_dim, limit):
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+
+    def forward(self, x, weights=None):
+        g, u = self.w1(x).float(), self.w3(x).float()
+        if self.limit:
+            g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
+        h = F.silu(g) * u
+        if weights is not None:
+            h = h * weights[:, None]
+        return self.w2(h.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """Routed experts + one shared expert. Every V4 layer is MoE; there are no dense FFN layers."""
+    def __init__(self, layer_id, args):
+        super().__init__()
+        self.args = args
+        self.gate = Gate(layer_id, args)
+        self.experts = nn.ModuleList(Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
+                                     for _ in range(args.n_routed_experts))
+        self.shared_experts = Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
+
+    def routed(self, x, weights, idx):
+        """Local expert loop. x: [N, D], weights/idx: [N, K] -> fp32 [N, D].
+        Sorting the N*K (token, expert) pairs by expert gives each expert a contiguous slice."""
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # device -> host sync
+        token = order // idx.shape[1]
+        w = weights.flatten()[order]
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                sl = slice(start, start + c)
+                # Pad the group to a multiple of 8 rows: BLAS picks other kernels for small odd row counts,
+                # which would make a token's output depend on how many other tokens chose this expert
+                # (and break bit-exact causality / batch invariance).
+                pad = -c % 8
+                out = self.experts[e](F.pad(x[token[sl]], (0, 0, 0, pad)), F.pad(w[sl], (0, pad)))
+                y.index_add_(0, token[sl], out[:c].float())
+            start += c
+        return y
+
+    def forward(self, x, ids):
+        # x: [B, T, D], ids: [B, T] -> [B, T, D]
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, idx = self.gate(x, ids.reshape(-1))
+        y = self.routed(x, weights, idx) + self.shared_experts(x).float()
+        return y.to(x.dtype).view(shape)
+
+
+# -----------------------------------------------------------------------------
+# mHC: n residual streams, mixed by a doubly-stochastic matrix
+
+def hc_split_sinkhorn(mixes, scale, base, n, iters, eps):
+    """mixes: [..., (2+n)*n] fp32 -> pre [..., n], post [..., n], comb [..., n, n] (doubly stochastic).
+    Order pre | post | comb; column-first Sinkhorn, as the reference kernel."""
+    pre, post, comb = mixes.split([n, n, n * n], dim=-1)
+    pre = torch.sigmoid(pre * scale[0] + base[:n]) + eps
+    post = 2 * torch.sigmoid(post * scale[1] + base[n:2 * n])
+    comb = comb.unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n)
+    comb = comb.softmax(dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def hc_mixes(x, fn, norm_eps):
+    # x: [B, T, n, D] -> fp32 [B, T, rows of fn]; an unweighted RMSNorm over all n*D values, then fn
+    xf = x.flatten(2).float()
+    return F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+
+
+def hc_head(x, fn, scale, base, args):
+    """Final collapse of the n streams into one: sigmoid weights, no Sinkhorn. x: [B, T, n, D] -> [B, T, D]"""
+    pre = torch.sigmoid(hc_mixes(x, fn, args.rms_norm_eps) * scale.float() + base.float()) + args.hc_eps
+    return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)
+
+
+class Block(nn.Module):
+    """One layer: attention and MoE sublayers, each wrapped by hc_pre (n streams -> 1) and hc_post (1 -> n)."""
+    def __init__(self, layer_id, args):
+        super().__init__()
+        self.args, self.layer_id = args, layer_id
+        n, D = args.hc_mult, args.hidden_size
+        self.attn_norm = RMSNorm(D, args.rms_norm_eps)
+        self.attn = Attention(layer_id, args)
+        self.ffn_norm = RMSNorm(D, args.rms_norm_eps)
+        self.ffn = MoE(layer_id, args)
+        for sub in ("attn", "ffn"):  # fp32, as in the checkpoint
+            self.register_parameter(f"hc_{sub}_fn", nn.Parameter(torch.empty((2 + n) * n, n * D, dtype=torch.float32)))
+            self.register_parameter(f"hc_{sub}_base", nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32)))
+            self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def hc_pre(self, x, fn, scale, base):
+        # x: [B, T, n, D] -> input [B, T, D], post [B, T, n], comb [B, T, n, n]
+        a = self.args
+        pre, post, comb = hc_split_sinkhorn(hc_mixes(x, fn, a.rms_norm_eps), scale, base, a.hc_mult,
+                                            a.hc_sinkhorn_iters, a.hc_eps)
+        return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype), post, comb
+
+    def hc_post(self, f, x, post, comb):
+        # stream k <- post_k * f + sum_j comb[j, k] * x_j: the residual mix uses comb *transposed*
+        y = post.unsqueeze(-1) * f.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x.float())
+        return y.to(x.dtype)
+
+    def forward(self, x, ids):
+        # x: [B, T, n, D], ids: [B, T] (hash routing reads the input token ids) -> [B, T, n, D]
+        h, post, comb = self.hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        x = self.hc_post(self.attn(self.attn_norm(h)), x, post, comb)
+        h, post, comb = self.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        return self.hc_post(self.ffn(self.ffn_norm(h), ids), x, post, comb)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction (mtp.0): from the trunk's streams at t and the embedding of token t+1,
+    predict token t+2. Shares embed and head with the trunk; has its own hc_head."""
+    def __init__(self, layer_id, args):
+        super().__init__(layer_id, args)
+        n, D = args.hc_mult, args.hidden_size
+        self.e_proj = nn.Linear(D, D, bias=False)
+        self.h_proj = nn.Linear(D, D, bias=False)
+        self.enorm, self.hnorm, self.norm = (RMSNorm(D, args.rms_norm_eps) for _ in range(3))
+        self.hc_head_fn = nn.Parameter(torch.empty(n, n * D, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, x, e, ids):
+        # x: [B, T, n, D] trunk streams, e: [B, T, D] embeddings of the next tokens, ids: those tokens
+        x = self.e_proj(self.enorm(e)).unsqueeze(2) + self.h_proj(self.hnorm(x))
+        x = super().forward(x, ids)
+        return self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.args))
+
+
+# -----------------------------------------------------------------------------
+# the model
+
+FP32_NAMES = ("hc_", "attn_sink", "ape", "norm.weight", "gate.bias")  # tensors kept in fp32 whatever the dtype
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, dtype=torch.bfloat16):
+        super().__init__()
+        self.args = args
+        n, D = args.hc_mult, args.hidden_size
+        self.embed = nn.Embedding(args.vocab_size, D)
+        self.layers = nn.ModuleList(Block(i, args) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(D, args.rms_norm_eps)
+        self.head = nn.Linear(D, args.vocab_size, bias=False)
+        self.hc_head_fn = nn.Parameter(torch.empty(n, n * D, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.mtp = nn.ModuleList(MTPBlock(args.num_hidden_layers + i, args) for i in range(args.num_nextn_predict_layers))
+        if self.embed.weight.device.type != "meta":
+            self.init_weights()
+        self.set_dtype(dtype)
+
+    @torch.no_grad()
+    def init_weights(self, seed=0):
+        """From-scratch init: normal(0, initializer_range) matrices, unit norms, zero biases/sinks,
+        a seeded hash table with distinct experts per row."""
+        g = torch.Generator().manual_seed(seed)
+        std = self.args.initializer_range
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        for name, b in self.named_buffers():
+            if name.endswith("tid2eid"):
+                E, K = self.args.n_routed_experts, self.args.num_experts_per_tok
+                b.copy_(torch.rand(b.shape[0], E, generator=g).argsort(dim=-1)[:, :K])
+
+    def set_dtype(self, dtype):
+        """Cast to the compute dtype, keeping the reference's fp32 tensors (mHC, sinks, ape, norms, gate bias)."""
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            if t.is_floating_point() and not any(k in name for k in FP32_NAMES):
+                t.data = t.data.to(dtype)
+        self.dtype = dtype
+        return self
+
+    def embed_streams(self, input_ids):
+        # [B, T] -> [B, T, n, D]: n plain copies of the embedding
+        h = self.embed(input_ids)
+        return h.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
+
+    def logits(self, x):
+        # [B, T, n, D] -> fp32 [B, T, vocab]; the final norm comes after the stream collapse
+        h = self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.args))
+        return F.linear(h.float(), self.head.weight.float())
+
+    def forward(self, input_ids, mtp=False):
+        """input_ids [B, T] -> fp32 logits [B, T, vocab]. With mtp=True also the MTP logits
+        [B, T-1, vocab], where position t predicts token t+2."""
+        x = self.embed_streams(input_ids)
+        for layer in self.layers:
+            x = layer(x, input_ids)
+        logits = self.logits(x)
+        if not mtp:
+            return logits
+        assert len(self.mtp) > 0, "this model has no MTP layer (num_nextn_predict_layers = 0)"
+        nxt = input_ids[:, 1:]
+        h = self.mtp[0](x[:, :-1], self.embed(nxt), nxt)
+        return logits, F.linear(h.float(), self.head.weight.float())
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: official names, safetensors shards, FP8 / FP4 dequantised at load
+
+def save_pretrained(model, path, dtype=None, shard_bytes=4 << 30):
+    """config.json + model-0000k-of-0000n.safetensors + model.safetensors.index.json, official names."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if dtype is not None:
+        sd = {k: v.to(dtype) if v.is_floating_point() and not any(s in k for s in FP32_NAMES) else v
+              for k, v in sd.items()}
+    shards, cur, size = [], {}, 0
+    for k, v in sd.items():
+        if cur and size + v.nbytes > shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k], size = v.cpu(), size + v.nbytes
+    shards.append(cur)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(v.nbytes for v in sd.values())}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.args.to_json(), f, indent=1)
+
+
+# transformers' save_pretrained writes a few names its reverse key mapping cannot restore
+HF_SAVED_NAMES = [(r"^embed_tokens\.weight$", "embed.weight"), (r"^lm_head\.weight$", "head.weight"),
+                  (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+                  (r"^(layers\.\d+\.attn)\.norm\.weight$", r"\1.kv_norm.weight")]  # attn.kv_norm -> attn.norm
+
+
+def canonical_name(name):
+    """Official name for a checkpoint key: drop transformers' `model.` prefix and undo its renames."""
+    name = name.removeprefix("model.")
+    for pattern, repl in HF_SAVED_NAMES:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def load_state_dict(path):
+    """All tensors of a checkpoint directory, official names, FP8 (.scale) and FP4 weights dequantised (fp32)."""
+    from safetensors import safe_open
+    from quant import fp8_block_dequantize, fp4_dequantize
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    raw = {}
+    for fn in files:
+        with safe_open(fn, framework="pt") as f:
+            for k in f.keys():
+                raw[canonical_name(k)] = f.get_tensor(k)
+    sd = {}
+    for k, v in raw.items():
+        if k.endswith(".scale") and k[:-len("scale")] + "weight" in raw:
+            continue  # consumed with its weight below
+        scale = raw.get(k[:-len("weight")] + "scale") if k.endswith(".weight") else None
+        if scale is not None and v.dtype == torch.float8_e4m3fn:
+            v = fp8_block_dequantize(v, scale)
+        elif scale is not None and v.dtype == torch.int8:
+            v = fp4_dequantize(v, scale)
+        elif scale is not None:
+            raise ValueError(f"{k}: has a .scale but dtype {v.dtype} is neither float8_e4m3fn nor int8 (packed FP4)")
+        sd[k] = v
+    return sd
+
+
+def from_pretrained(path, device=None, dtype=None) -> Transformer:
+    """Build from config.json and load the weights. Missing, unexpected or mis-shaped tensors are an error
+    that lists them. A checkpoint without mtp.* tensors (transformers writes none) loads without MTP."""
+    args = ModelArgs.from_json(os.path.join(path, "config.json"))
+    sd = load_state_dict(path)
+    if args.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in sd):
+        print(f"{path}: no mtp.* tensors, loading without the MTP layer")
+        args.num_nextn_predict_layers = 0
+        args.compress_ratios = args.compress_ratios[:args.num_hidden_layers]
+    with torch.device("meta"):
+        model = Transformer(args, dtype=dtype or torch.bfloat16)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    shapes = sorted(f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(v.shape)}"
+                    for k, v in expected.items() if k in sd and sd[k].shape != v.shape)
+    if missing or unexpected or shapes:
+        raise ValueError(f"checkpoint {path} does not fit its config:\n  missing: {missing}\n"
+                         f"  unexpected: {unexpected}\n  mis-shaped: {shapes}")
+    device = torch.device(device or "cpu")
+    # copy=True: fresh, aligned storage (tensors straight from safetensors may be unaligned, and BLAS then
+    # takes another code path with other rounding)
+    model.load_state_dict({k: sd[k].to(device=device, dtype=v.dtype, copy=True) for k, v in expected.items()},
+                          assign=True)
+    return model
+
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    # Self-check on CPU in seconds: shapes, causality, a save/load round trip, and a few steps of overfitting.
+    import tempfile, time
+    t0 = time.time()
+    torch.manual_seed(0)
+    args = ModelArgs()
+    model = Transformer(args, dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"tiny DeepSeek-V4: {n_params / 1e6:.1f}M parameters, layer ratios {args.compress_ratios}")
+    ids = torch.randint(2, args.vocab_size, (2, 96))
+    logits, mtp_logits = model(ids, mtp=True)
+    print(f"forward: logits {tuple(logits.shape)}, MTP logits {tuple(mtp_logits.shape)}")
+    ids2 = ids.clone()
+    ids2[:, 60:] = torch.randint(2, args.vocab_size, (2, 36))
+    same = torch.equal(model(ids2)[:, :60], logits[:, :60])
+    print(f"causality: logits before the changed tokens are bit-identical: {same}")
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model, d)
+        reloaded = from_pretrained(d, dtype=torch.float32)
+        print(f"save/load round trip: max |diff| = {(reloaded(ids) - logits).abs().max().item():.2e}")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batch = torch.randint(2, 64, (4, 64))
+    for step in range(8):
+        loss = F.cross_entropy(model(batch)[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step in (0, 7):
+            print(f"overfit step {step}: loss {loss.item():.3f}")
+    assert same, "causality broken"
+    print(f"self-check passed in {time.time() - t0:.1f}s")

@@ -1,0 +1,190 @@
+"""FP8 / FP4 block quantization as used by DeepSeek-V4 (spec sections 2.7 and 4.3-4.5).
+
+Two uses:
+  * checkpoint formats: FP8 e4m3 weights with one e8m0 scale per 128x128 block, and FP4 e2m1
+    routed experts packed two per byte with one e8m0 scale per 32 inputs of a row;
+  * QAT simulations in the forward pass: quantize then dequantize activations along the last dim.
+
+Scales are powers of two stored as e8m0 (byte b means 2^(b-127), b=255 is NaN). We compute the
+exponent ourselves: torch's float -> float8_e8m0fnu cast rounds to the nearest power of two
+(1.25 -> 1), but the reference wants 2^ceil(log2(amax/qmax)), so that amax/scale never exceeds qmax.
+"""
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP4_MAX = 6.0    # largest e2m1 value
+FP8_AMAX_MIN = 1e-4            # reference act_quant clamp: all-zero blocks must not give scale 0
+FP4_AMAX_MIN = 6.0 * 2.0**-126  # keeps the FP4 scale >= 2^-126, the smallest normal float32
+
+# e2m1 code -> value. Codes 0-7 are the magnitudes, bit 3 is the sign.
+E2M1_VALUES = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def e8m0_to_float(scale):
+    """e8m0 scales (float8_e8m0fnu or raw uint8 bytes) -> float32. Float scales pass through."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        scale = scale.view(torch.uint8)
+    if scale.dtype != torch.uint8:
+        return scale.float()
+    b = scale.to(torch.int32)
+    # Build the float32 bit pattern directly so the result is exact: exponent field b gives
+    # 2^(b-127). b=0 is 2^-127, a float32 subnormal (mantissa bit 22 set). b=255 is NaN.
+    bits = torch.where(b == 0, torch.full_like(b, 1 << 22), b << 23)
+    bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def _pow2_ceil_byte(x):
+    """e8m0 byte of 2^ceil(log2(x)) for x > 0, computed exactly from the float32 exponent.
+
+    frexp gives x = m * 2^e with m in [0.5, 1); ceil(log2 x) is e-1 when m == 0.5 (x is an exact
+    power of two) and e otherwise. Going through log2() could be off by one near powers of two.
+    Non-finite x gives byte 255 (NaN scale), so NaN/inf inputs stay visible after dequant.
+    """
+    m, e = torch.frexp(x.float())
+    k = torch.where(m == 0.5, e - 1, e)
+    byte = (k + 127).clamp(0, 254)
+    byte = torch.where(torch.isfinite(x), byte, torch.full_like(byte, 255))
+    return byte.to(torch.uint8)
+
+
+def _pad_to(x, dim, mult):
+    """Zero-pad x along dim up to a multiple of mult. Zeros never change a block's amax."""
+    n = x.shape[dim]
+    pad = -n % mult
+    if pad == 0:
+        return x
+    spec = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, pad]
+    return F.pad(x, spec)
+
+
+def fp8_block_quantize(w, block=128, scale_fmt="ue8m0"):
+    """w [out, in] -> (float8_e4m3fn [out, in], scale [ceil(out/block), ceil(in/block)]).
+
+    scale_fmt="ue8m0": scale = 2^ceil(log2(amax/448)) as float8_e8m0fnu (checkpoint format).
+    scale_fmt="fp32":  scale = amax/448 as float32.
+    """
+    assert w.dim() == 2, f"expected a 2-D weight, got shape {tuple(w.shape)}"
+    assert scale_fmt in ("ue8m0", "fp32"), scale_fmt
+    out_f, in_f = w.shape
+    wf = _pad_to(_pad_to(w.float(), 0, block), 1, block)
+    R, C = wf.shape[0] // block, wf.shape[1] // block
+    blocks = wf.view(R, block, C, block)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=FP8_AMAX_MIN)  # [R, C]
+    if scale_fmt == "ue8m0":
+        byte = _pow2_ceil_byte(amax / FP8_MAX)
+        s = e8m0_to_float(byte)
+        scale = byte.view(torch.float8_e8m0fnu)
+    else:
+        s = amax / FP8_MAX
+        scale = s
+    q = (blocks / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    # torch's cast to e4m3fn rounds to nearest, ties to even.
+    q = q.to(torch.float8_e4m3fn).view(R * block, C * block)[:out_f, :in_f]
+    return q.contiguous(), scale
+
+
+def fp8_block_dequantize(w_e4m3, scale, dtype=torch.float32, block=128):
+    """Inverse of fp8_block_quantize: W[o, i] = fp8[o, i] * scale[o // block, i // block]."""
+    out_f, in_f = w_e4m3.shape
+    s = e8m0_to_float(scale)
+    assert s.shape == (-(-out_f // block), -(-in_f // block)), \
+        f"scale shape {tuple(s.shape)} does not match weight {out_f}x{in_f} with block {block}"
+    s = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_f, :in_f]
+    return (w_e4m3.float() * s).to(dtype)
+
+
+def _e2m1_round(v):
+    """Round float32 v (already clamped to [-6, 6]) to the nearest e2m1 value.
+
+    The e2m1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 has step 0.5 below 2, step 1 in [2, 4) and step 2
+    in [4, 6]. Dividing by the local step turns each segment into integers, and on every segment
+    the even integers are exactly the grid points whose mantissa bit is 0. So torch.round
+    (round half to even) gives IEEE-style ties-to-even-mantissa:
+    0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+    The sign is kept, so small negatives round to -0.
+    """
+    a = v.abs()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(a / step) * step, v)
+
+
+def fp4_quantize(w, group=32):
+    """w [out, in] -> (int8 [out, in/2] with two e2m1 codes per byte, e8m0 scale [out, in/group]).
+
+    Byte j of a row holds element 2j in the low nibble and element 2j+1 in the high nibble.
+    """
+    assert w.dim() == 2, f"expected a 2-D weight, got shape {tuple(w.shape)}"
+    out_f, in_f = w.shape
+    assert in_f % group == 0, f"in={in_f} must be divisible by group={group}"
+    assert group % 2 == 0, f"group={group} must be even to pack two codes per byte"
+    g = w.float().view(out_f, in_f // group, group)
+    amax = g.abs().amax(dim=-1).clamp(min=FP4_AMAX_MIN)
+    byte = _pow2_ceil_byte(amax / FP4_MAX)
+    v = _e2m1_round((g / e8m0_to_float(byte)[..., None]).clamp(-FP4_MAX, FP4_MAX))
+    # Value -> code: magnitude index on the e2m1 grid (exact match, so bucketize finds it),
+    # plus 8 for the sign bit.
+    mag = torch.bucketize(v.abs(), E2M1_VALUES[:8].to(v.device))
+    code = (mag + 8 * torch.signbit(v).long()).view(out_f, in_f)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
+    return packed.view(torch.int8), byte.view(torch.float8_e8m0fnu)
+
+
+def fp4_dequantize(packed_int8, scale_e8m0, dtype=torch.float32):
+    """Inverse of fp4_quantize: W[o, i] = table[nibble(o, i)] * scale[o, i // group]."""
+    out_f, half = packed_int8.shape
+    s = e8m0_to_float(scale_e8m0)
+    assert s.shape[0] == out_f and (2 * half) % s.shape[1] == 0, \
+        f"scale shape {tuple(s.shape)} does not fit packed weight {out_f}x{half}"
+    b = packed_int8.view(torch.uint8).long()
+    code = torch.stack([b & 0xF, b >> 4], dim=-1).view(out_f, 2 * half)
+    group = 2 * half // s.shape[1]
+    w = E2M1_VALUES.to(packed_int8.device)[code] * s.repeat_interleave(group, 1)
+    return w.to(dtype)
+
+
+def _blockwise_last_dim(x, block):
+    """x [..., n] -> float32 view [..., n_padded / block, block] plus the original n."""
+    n = x.shape[-1]
+    xf = _pad_to(x.float(), -1, block)
+    return xf.view(*xf.shape[:-1], xf.shape[-1] // block, block), n
+
+
+def fake_quant_fp8(x, block=128):
+    """Quantize-dequantize x to e4m3 with one power-of-two scale per `block` elements of the last
+    dim (per token for activations). Same dtype out as in; the math runs in float32."""
+    xb, n = _blockwise_last_dim(x, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=FP8_AMAX_MIN)
+    s = e8m0_to_float(_pow2_ceil_byte(amax / FP8_MAX))
+    q = (xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return (q * s).flatten(-2)[..., :n].to(x.dtype)
+
+
+def fake_quant_fp4(x, block=32):
+    """Quantize-dequantize x to e2m1 with one power-of-two scale per `block` elements of the last
+    dim (the indexer's FP4 sim, applied after hadamard()). Same dtype out as in."""
+    xb, n = _blockwise_last_dim(x, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=FP4_AMAX_MIN)
+    s = e8m0_to_float(_pow2_ceil_byte(amax / FP4_MAX))
+    q = _e2m1_round((xb / s).clamp(-FP4_MAX, FP4_MAX))
+    return (q * s).flatten(-2)[..., :n].to(x.dtype)
+
+
+def hadamard(x):
+    """Normalized Walsh-Hadamard transform of the last dim (Sylvester order, scale 1/sqrt(n)).
+
+    Equals x @ H with H_1 = [1], H_2n = [[H_n, H_n], [H_n, -H_n]] / sqrt(2): orthonormal and
+    symmetric, so applying it twice gives x back. No random signs (the reference has none).
+    Computed with log2(n) butterfly passes in float32, returned in x's dtype.
+    """
+    n = x.shape[-1]
+    assert n > 0 and n & (n - 1) == 0, f"last dim {n} must be a power of two"
+    y = x.float()
+    h = 1
+    while h < n:
+        y = y.reshape(*x.shape[:-1], n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2)
+        h *= 2
+    return (y.reshape(x.shape) * n**-0.5).to(x.dtype)

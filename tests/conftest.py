@@ -1,0 +1,42 @@
+"""Shared helpers for the tests: small random configs and a non-trivial re-randomisation of weights."""
+import torch
+
+from model_dsv4 import ModelArgs
+
+# Two tiny shapes that between them cover every mechanism: window-only, CSA (overlap compressor + indexer)
+# and HCA layers, hash and learned routing, hc_mult 4 and 2, one and several heads per output group.
+TINY = ModelArgs()  # spec §7.1: ratios 0,0,4,16,4,16,4,0 (+ MTP), 3 hash layers, window 32, index_topk 8
+SMALL = ModelArgs(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=2, head_dim=64,
+                  qk_rope_head_dim=32, q_lora_rank=64, o_groups=1, o_lora_rank=64, sliding_window=16,
+                  compress_ratios=[4, 0, 128, 4, 0], index_n_heads=2, index_head_dim=64, index_topk=4,
+                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, num_hash_layers=1,
+                  hc_mult=2, hc_sinkhorn_iters=5, rope_scaling={"type": "yarn", "factor": 8,
+                  "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1},
+                  max_position_embeddings=1024)
+
+
+@torch.no_grad()
+def randomize_(model, n_experts, top_k, seed=0):
+    """Give every tensor a non-trivial value, by name, for our model and for transformers' alike.
+    A fresh model has zero sinks, unit norms and (in transformers) an all-zero tid2eid: a parity test
+    on that would prove little (spec §4.6)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda t: torch.randn(t.shape, generator=g)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("tid2eid"):
+            t.copy_(torch.rand(t.shape[0], n_experts, generator=g).argsort(-1)[:, :top_k])
+        elif not t.is_floating_point() or "inv_freq" in name:
+            continue
+        elif "ape" in name or "position_bias" in name:
+            t.copy_(rnd(t) * 0.5)
+        elif t.dim() >= 2:
+            t.copy_(rnd(t) / t.shape[-1] ** 0.5)
+        elif "norm" in name:
+            t.copy_(1 + 0.2 * rnd(t))
+        elif name.endswith("scale"):  # mHC scales
+            t.copy_(0.5 + 0.2 * rnd(t))
+        elif "bias" in name:  # router correction bias: steers selection
+            t.copy_(0.1 * rnd(t))
+        else:  # sinks, mHC bases
+            t.copy_(rnd(t))
+    return model
