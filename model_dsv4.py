@@ -16,11 +16,13 @@ import json
 import math
 import os
 import re
+import zlib
 from dataclasses import dataclass, field, fields, asdict
 from functools import lru_cache
 
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as F
 
 # -----------------------------------------------------------------------------
@@ -296,7 +298,9 @@ class Indexer(nn.Module):
         k = self.compressor(x, args)
         cos, sin = rope_cos_sin(args, 4, torch.arange(T, device=x.device))
         score = self.scores(x, qr, k, cos, sin).masked_fill(~visible, float("-inf"))
-        idx = score.topk(min(self.topk, k.shape[1]), dim=-1).indices
+        # a stable sort, not topk: ties (several entries at score 0 after the ReLU) go to the earliest entry,
+        # whatever the sequence length, so padding or decoding never changes the pick
+        idx = score.sort(dim=-1, descending=True, stable=True).indices[..., :self.topk]
         chosen = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True)
         return chosen & visible  # picks that landed on invisible entries mean "no entry"
 
@@ -426,45 +430,104 @@ class Expert(nn.Module):
         return self.w2(h.to(x.dtype))
 
 
+def group_size(group):
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def all_to_all_single(out, x, out_splits, in_splits, group):
+    """dist.all_to_all_single that names the group and op when it fails (a dead or mismatched peer)."""
+    try:
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    except RuntimeError as e:
+        raise RuntimeError(f"EP all_to_all_single on ranks {dist.get_process_group_ranks(group)} "
+                           f"failed on rank {dist.get_rank()}: {e}") from e
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; the backward sends the gradients back the way they came."""
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return all_to_all_single(x.new_empty((sum(out_splits), *x.shape[1:])), x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all(x, out_splits, in_splits, group):
+    return AllToAll.apply(x, out_splits, in_splits, group) if group_size(group) > 1 else x
+
+
+def dispatch(x, weights, idx, n_local, group):
+    """Send every (token, expert) pair to the rank holding the expert; experts are sharded in contiguous
+    blocks of n_local over the EP group. x: [N, D], weights/idx: [N, K] ->
+    rows xs [R, D] and weights ws [R] grouped by local expert, counts per local expert, and what combine needs."""
+    ep = group_size(group)
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)  # pairs sorted by expert, hence by destination rank
+    send = torch.bincount(flat, minlength=n_local * ep)  # [E] pairs per expert
+    recv = send
+    if ep > 1:  # recv[r * n_local + j]: pairs rank r sends to my local expert j
+        recv = all_to_all_single(torch.empty_like(send), send, None, None, group)
+    send_splits = send.view(ep, n_local).sum(1).tolist()  # device -> host sync: the split sizes
+    recv_splits = recv.view(ep, n_local).sum(1).tolist()
+    xs = all_to_all(x[order // idx.shape[1]], recv_splits, send_splits, group)  # [R, D], source-rank-major
+    ws = all_to_all(weights.flatten()[order], recv_splits, send_splits, group)
+    # regroup the received rows from (source rank, expert) order to (expert, source rank) order
+    chunks = torch.arange(xs.shape[0], device=x.device).split(recv.tolist())
+    perm = torch.cat([chunks[r * n_local + j] for j in range(n_local) for r in range(ep)])
+    counts = recv.view(ep, n_local).sum(0).tolist()
+    return xs[perm], ws[perm], counts, (order, perm, send_splits, recv_splits)
+
+
+def combine(ys, ctx, n_tokens, top_k, group):
+    """The exact reverse of dispatch: ys [R, D] (grouped by local expert) -> fp32 [N, D], summed over top-k."""
+    order, perm, send_splits, recv_splits = ctx
+    ys = ys[torch.argsort(perm)]  # back to (source rank, expert) order
+    out = all_to_all(ys, send_splits, recv_splits, group)  # back home, in `order`
+    y = torch.zeros(n_tokens, ys.shape[1], dtype=torch.float32, device=ys.device)
+    return y.index_add_(0, order // top_k, out.float())
+
+
 class MoE(nn.Module):
-    """Routed experts + one shared expert. Every V4 layer is MoE; there are no dense FFN layers."""
-    def __init__(self, layer_id, args):
+    """Routed experts + one shared expert. Every V4 layer is MoE; there are no dense FFN layers.
+    With an EP group, this rank holds experts [ep_rank * n_local, (ep_rank + 1) * n_local); the router
+    and the shared expert are replicated. Expert names keep their global index (experts.{e})."""
+    def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
-        self.args = args
+        self.args, self.ep_group = args, ep_group
+        ep, E = group_size(ep_group), args.n_routed_experts
+        assert E % ep == 0, f"n_routed_experts ({E}) must divide by ep_size ({ep})"
+        self.n_local = E // ep
+        first = (dist.get_rank(ep_group) if ep > 1 else 0) * self.n_local
         self.gate = Gate(layer_id, args)
-        self.experts = nn.ModuleList(Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
-                                     for _ in range(args.n_routed_experts))
+        self.experts = nn.ModuleDict({str(e): Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
+                                      for e in range(first, first + self.n_local)})
         self.shared_experts = Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
 
-    def routed(self, x, weights, idx):
-        """Local expert loop. x: [N, D], weights/idx: [N, K] -> fp32 [N, D].
-        Sorting the N*K (token, expert) pairs by expert gives each expert a contiguous slice."""
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # device -> host sync
-        token = order // idx.shape[1]
-        w = weights.flatten()[order]
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        start = 0
-        for e, c in enumerate(counts):
-            if c:
-                sl = slice(start, start + c)
-                # Pad the group to a multiple of 8 rows: BLAS picks other kernels for small odd row counts,
-                # which would make a token's output depend on how many other tokens chose this expert
-                # (and break bit-exact causality / batch invariance).
-                pad = -c % 8
-                out = self.experts[e](F.pad(x[token[sl]], (0, 0, 0, pad)), F.pad(w[sl], (0, pad)))
-                y.index_add_(0, token[sl], out[:c].float())
+    def run_experts(self, xs, ws, counts):
+        """Each local expert on its contiguous slice of rows. xs: [R, D], ws: [R] -> [R, D]"""
+        out, start = [], 0
+        for expert, c in zip(self.experts.values(), counts):
+            # Pad the group to a multiple of 8 rows: BLAS picks other kernels for small odd row counts,
+            # which would make a token's output depend on how many other tokens chose this expert
+            # (and break bit-exact causality / batch invariance).
+            pad = -c % 8
+            out.append(expert(F.pad(xs[start:start + c], (0, 0, 0, pad)), F.pad(ws[start:start + c], (0, pad)))[:c])
             start += c
-        return y
+        return torch.cat(out) if out else xs
 
     def forward(self, x, ids):
         # x: [B, T, D], ids: [B, T] -> [B, T, D]
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, idx = self.gate(x, ids.reshape(-1))
-        y = self.routed(x, weights, idx) + self.shared_experts(x).float()
-        return y.to(x.dtype).view(shape)
+        xs, ws, counts, ctx = dispatch(x, weights, idx, self.n_local, self.ep_group)
+        y = combine(self.run_experts(xs, ws, counts), ctx, x.shape[0], idx.shape[1], self.ep_group)
+        return (y + self.shared_experts(x).float()).to(x.dtype).view(shape)
 
 
 # -----------------------------------------------------------------------------
@@ -499,14 +562,14 @@ def hc_head(x, fn, scale, base, args):
 
 class Block(nn.Module):
     """One layer: attention and MoE sublayers, each wrapped by hc_pre (n streams -> 1) and hc_post (1 -> n)."""
-    def __init__(self, layer_id, args):
+    def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
         self.args, self.layer_id = args, layer_id
         n, D = args.hc_mult, args.hidden_size
         self.attn_norm = RMSNorm(D, args.rms_norm_eps)
         self.attn = Attention(layer_id, args)
         self.ffn_norm = RMSNorm(D, args.rms_norm_eps)
-        self.ffn = MoE(layer_id, args)
+        self.ffn = MoE(layer_id, args, ep_group)
         for sub in ("attn", "ffn"):  # fp32, as in the checkpoint
             self.register_parameter(f"hc_{sub}_fn", nn.Parameter(torch.empty((2 + n) * n, n * D, dtype=torch.float32)))
             self.register_parameter(f"hc_{sub}_base", nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32)))
@@ -535,8 +598,8 @@ class Block(nn.Module):
 class MTPBlock(Block):
     """Multi-token prediction (mtp.0): from the trunk's streams at t and the embedding of token t+1,
     predict token t+2. Shares embed and head with the trunk; has its own hc_head."""
-    def __init__(self, layer_id, args):
-        super().__init__(layer_id, args)
+    def __init__(self, layer_id, args, ep_group=None):
+        super().__init__(layer_id, args, ep_group)
         n, D = args.hc_mult, args.hidden_size
         self.e_proj = nn.Linear(D, D, bias=False)
         self.h_proj = nn.Linear(D, D, bias=False)
@@ -559,35 +622,42 @@ FP32_NAMES = ("hc_", "attn_sink", "ape", "norm.weight", "gate.bias")  # tensors 
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, dtype=torch.bfloat16):
+    """The whole model, or (built by parallel.py) one pipeline stage of it: `layers` is a dict keyed by the
+    global layer index, so a stage keeps the official names; a stage's missing ends are None."""
+    def __init__(self, args: ModelArgs, dtype=torch.bfloat16, ep_group=None):
         super().__init__()
         self.args = args
         n, D = args.hc_mult, args.hidden_size
         self.embed = nn.Embedding(args.vocab_size, D)
-        self.layers = nn.ModuleList(Block(i, args) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleDict({str(i): Block(i, args, ep_group) for i in range(args.num_hidden_layers)})
         self.norm = RMSNorm(D, args.rms_norm_eps)
         self.head = nn.Linear(D, args.vocab_size, bias=False)
         self.hc_head_fn = nn.Parameter(torch.empty(n, n * D, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
-        self.mtp = nn.ModuleList(MTPBlock(args.num_hidden_layers + i, args) for i in range(args.num_nextn_predict_layers))
+        self.mtp = nn.ModuleList(MTPBlock(args.num_hidden_layers + i, args, ep_group)
+                                 for i in range(args.num_nextn_predict_layers))
         if self.embed.weight.device.type != "meta":
             self.init_weights()
         self.set_dtype(dtype)
 
     @torch.no_grad()
     def init_weights(self, seed=0):
-        """From-scratch init: normal(0, initializer_range) matrices, unit norms, zero biases/sinks,
-        a seeded hash table with distinct experts per row."""
-        g = torch.Generator().manual_seed(seed)
-        std = self.args.initializer_range
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-        for name, b in self.named_buffers():
+        """From-scratch init of every tensor: normal(0, initializer_range) matrices, unit norms and mHC scales,
+        zero biases, sinks and ape, a hash table with distinct experts per row. Each tensor draws from a
+        generator seeded by its name, so a pipeline stage or an expert shard gets exactly the values the
+        whole model would."""
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             if name.endswith("tid2eid"):
                 E, K = self.args.n_routed_experts, self.args.num_experts_per_tok
-                b.copy_(torch.rand(b.shape[0], E, generator=g).argsort(dim=-1)[:, :K])
+                t.copy_(torch.rand(t.shape[0], E, generator=g).argsort(dim=-1)[:, :K])
+            elif t.dim() == 2 and not name.endswith("ape"):
+                t.copy_(torch.randn(t.shape, generator=g) * self.args.initializer_range)
+            elif name.endswith("norm.weight") or name.endswith("_scale"):
+                t.fill_(1.0)
+            else:  # mHC bases, sinks, ape, router bias
+                t.zero_()
 
     def set_dtype(self, dtype):
         """Cast to the compute dtype, keeping the reference's fp32 tensors (mHC, sinks, ape, norms, gate bias)."""
@@ -611,7 +681,7 @@ class Transformer(nn.Module):
         """input_ids [B, T] -> fp32 logits [B, T, vocab]. With mtp=True also the MTP logits
         [B, T-1, vocab], where position t predicts token t+2."""
         x = self.embed_streams(input_ids)
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x, input_ids)
         logits = self.logits(x)
         if not mtp:
@@ -665,58 +735,75 @@ def canonical_name(name):
     return name
 
 
-def load_state_dict(path):
-    """All tensors of a checkpoint directory, official names, FP8 (.scale) and FP4 weights dequantised (fp32)."""
+def checkpoint_index(path):
+    """{official name: (file, key in file)} for every tensor of a checkpoint directory; reads headers only."""
     from safetensors import safe_open
-    from quant import fp8_block_dequantize, fp4_dequantize
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    raw = {}
+    index = {}
     for fn in files:
         with safe_open(fn, framework="pt") as f:
-            for k in f.keys():
-                raw[canonical_name(k)] = f.get_tensor(k)
-    sd = {}
-    for k, v in raw.items():
-        if k.endswith(".scale") and k[:-len("scale")] + "weight" in raw:
-            continue  # consumed with its weight below
-        scale = raw.get(k[:-len("weight")] + "scale") if k.endswith(".weight") else None
-        if scale is not None and v.dtype == torch.float8_e4m3fn:
-            v = fp8_block_dequantize(v, scale)
-        elif scale is not None and v.dtype == torch.int8:
-            v = fp4_dequantize(v, scale)
-        elif scale is not None:
-            raise ValueError(f"{k}: has a .scale but dtype {v.dtype} is neither float8_e4m3fn nor int8 (packed FP4)")
+            index.update({canonical_name(k): (fn, k) for k in f.keys()})
+    return index
+
+
+def load_state_dict(path, names=None):
+    """Tensors of a checkpoint directory by official name (all, or just `names`), with FP8 weights (.scale)
+    and packed FP4 routed experts dequantised to fp32. Only the requested tensors are read."""
+    from safetensors import safe_open
+    from quant import fp8_block_dequantize, fp4_dequantize
+    index = checkpoint_index(path)
+    names = [k for k in index if not (k.endswith(".scale") and k[:-5] + "weight" in index)] if names is None else names
+    handles, sd = {}, {}
+    read = lambda k: handles.setdefault(index[k][0], safe_open(index[k][0], framework="pt")).get_tensor(index[k][1])
+    for k in names:
+        if k not in index:
+            continue  # the caller reports what is missing
+        v = read(k)
+        scale_name = k[:-len("weight")] + "scale" if k.endswith(".weight") else None
+        if scale_name in index:
+            if v.dtype == torch.float8_e4m3fn:
+                v = fp8_block_dequantize(v, read(scale_name))
+            elif v.dtype == torch.int8:
+                v = fp4_dequantize(v, read(scale_name))
+            else:
+                raise ValueError(f"{k}: has a .scale but dtype {v.dtype} is neither float8_e4m3fn nor int8 (packed FP4)")
         sd[k] = v
     return sd
 
 
-def from_pretrained(path, device=None, dtype=None) -> Transformer:
-    """Build from config.json and load the weights. Missing, unexpected or mis-shaped tensors are an error
-    that lists them. A checkpoint without mtp.* tensors (transformers writes none) loads without MTP."""
-    args = ModelArgs.from_json(os.path.join(path, "config.json"))
-    sd = load_state_dict(path)
-    if args.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in sd):
-        print(f"{path}: no mtp.* tensors, loading without the MTP layer")
-        args.num_nextn_predict_layers = 0
-        args.compress_ratios = args.compress_ratios[:args.num_hidden_layers]
-    with torch.device("meta"):
-        model = Transformer(args, dtype=dtype or torch.bfloat16)
+def load_weights(model, path, strict=True, device="cpu"):
+    """Fill a (meta or real) model, whole or one stage / expert shard, from a checkpoint directory, onto
+    `device`. Missing or mis-shaped tensors are an error that lists them; with strict, so are tensors the
+    model has no place for."""
     expected = model.state_dict()
+    sd = load_state_dict(path, list(expected))
     missing = sorted(set(expected) - set(sd))
-    unexpected = sorted(set(sd) - set(expected))
+    unexpected = sorted(k for k in checkpoint_index(path) if k not in expected and not k.endswith(".scale")) if strict else []
     shapes = sorted(f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(v.shape)}"
                     for k, v in expected.items() if k in sd and sd[k].shape != v.shape)
     if missing or unexpected or shapes:
         raise ValueError(f"checkpoint {path} does not fit its config:\n  missing: {missing}\n"
                          f"  unexpected: {unexpected}\n  mis-shaped: {shapes}")
-    device = torch.device(device or "cpu")
     # copy=True: fresh, aligned storage (tensors straight from safetensors may be unaligned, and BLAS then
     # takes another code path with other rounding)
     model.load_state_dict({k: sd[k].to(device=device, dtype=v.dtype, copy=True) for k, v in expected.items()},
                           assign=True)
     return model
+
+
+def from_pretrained(path, device=None, dtype=None) -> Transformer:
+    """Build from config.json and load the weights (see load_weights for the errors). A checkpoint without
+    mtp.* tensors (transformers writes none) loads without the MTP layer."""
+    args = ModelArgs.from_json(os.path.join(path, "config.json"))
+    if args.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in checkpoint_index(path)):
+        print(f"{path}: no mtp.* tensors, loading without the MTP layer")
+        args.num_nextn_predict_layers = 0
+        args.compress_ratios = args.compress_ratios[:args.num_hidden_layers]
+    with torch.device("meta"):
+        model = Transformer(args, dtype=dtype or torch.bfloat16)
+    return load_weights(model, path, device=device or "cpu")
 
 
 # -----------------------------------------------------------------------------

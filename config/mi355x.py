@@ -8,8 +8,9 @@ out_dir = 'out/mi355x'  # must be on a filesystem all nodes see; the bf16 weight
 max_steps = 100
 wandb_log, wandb_project = True, 'nano-dsv4-rl'
 
-# model: the official checkpoint; its own config.json gives the shape (model_config is not read)
+# model: the official checkpoint; its own config.json gives the shape when it is read
 init_from = '/data/DeepSeek-V4-Flash'
+model_config = 'config/models/flash.json'  # the same shape, for --dry_run and `python parallel.py --plan`
 dtype = 'bfloat16'
 resume = True  # after a crash, relaunching the same command continues from the newest checkpoint in out_dir
 
@@ -27,7 +28,7 @@ rollout_quant = 'fp8'  # the engine runs SGLANG_DSV4_FP4_EXPERTS=0, so experts a
 data = 'BytedTsinghua-SIA/DAPO-Math-17k'
 eval_data = 'shared/data/aime2024/aime2024.jsonl'  # 30 problems; the hub's AIME-2024 repeats them 32x
 n_prompts, n_samples = 32, 8
-max_new_tokens = 4096  # the blog's cap; 55-60% of AIME answers were truncated at it
+max_prompt_len, max_new_tokens = 1024, 4096  # the blog's cap; 55-60% of AIME answers were truncated at it
 temperature, top_p = 0.8, 1.0
 
 # GRPO as in Miles' DSV4 recipe: clip-higher, no KL, no entropy, per-sample token mean, TIS capped at 2

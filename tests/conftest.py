@@ -1,4 +1,6 @@
 """Shared helpers for the tests: small random configs and a non-trivial re-randomisation of weights."""
+from dataclasses import replace
+
 import torch
 
 from model_dsv4 import ModelArgs
@@ -13,6 +15,10 @@ SMALL = ModelArgs(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_atte
                   hc_mult=2, hc_sinkhorn_iters=5, rope_scaling={"type": "yarn", "factor": 8,
                   "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1},
                   max_position_embeddings=1024)
+# For comparisons with transformers: 16 indexer heads. With few heads, many indexer scores are exactly 0
+# (every head's ReLU at 0), and transformers' torch.topk breaks such ties arbitrarily, while we pick the
+# earliest entry (a stable sort): the comparison is only defined without ties at the top-k cut.
+TINY_16, SMALL_16 = replace(TINY, index_n_heads=16), replace(SMALL, index_n_heads=16)
 
 
 @torch.no_grad()
@@ -29,6 +35,8 @@ def randomize_(model, n_experts, top_k, seed=0):
             continue
         elif "ape" in name or "position_bias" in name:
             t.copy_(rnd(t) * 0.5)
+        elif "weights_proj" in name:  # positive head weights: indexer scores >= 0, exact ties only at 0
+            t.copy_(rnd(t).abs() / t.shape[-1] ** 0.5)
         elif t.dim() >= 2:
             t.copy_(rnd(t) / t.shape[-1] ** 0.5)
         elif "norm" in name:

@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SMALL, TINY, randomize_
+from conftest import SMALL, SMALL_16, TINY, TINY_16, randomize_
 from model_dsv4 import Transformer, from_pretrained, hc_split_sinkhorn, save_pretrained
 
 transformers = pytest.importorskip("transformers")  # a test dependency: .ci/run installs it
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 # (config, sequence length): longer than the window and than 4 * index_topk; SMALL's T covers 2 HCA-128 entries
-CASES = [(TINY, 160), (SMALL, 300)]
+CASES = [(TINY_16, 160), (SMALL_16, 300)]
 
 
 def ours(args, seed=0):
@@ -50,7 +50,7 @@ def test_parity_transformers_to_ours(args, T, tmp_path):
 def test_parity_catches_untransposed_comb(tmp_path, monkeypatch):
     """The parity test has teeth: the classic mHC bug (comb used untransposed) is far outside tolerance."""
     import model_dsv4
-    model = ours(TINY)
+    model = ours(TINY_16)
     save_pretrained(model, tmp_path)
     ref = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     bad = lambda self, f, x, post, comb: (post.unsqueeze(-1) * f.unsqueeze(-2) + comb @ x).to(x.dtype)
@@ -89,7 +89,7 @@ def test_hash_layers_route_by_table():
     model = ours(TINY)
     ids = torch.randint(0, TINY.vocab_size, (2, 40))
     x = torch.randn(80, TINY.hidden_size)
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers.values()):
         w, idx = layer.ffn.gate(x, ids.flatten())
         if i < TINY.num_hash_layers:
             assert torch.equal(idx, layer.ffn.gate.tid2eid[ids.flatten()])
@@ -126,7 +126,7 @@ def test_bf16_mode():
     low = copy.deepcopy(model).set_dtype(torch.bfloat16)
     fp32 = {n for n, p in low.named_parameters() if p.dtype == torch.float32}
     assert fp32 and all(any(k in n for k in ("hc_", "attn_sink", "ape", "norm.weight")) for n in fp32), fp32
-    assert low.layers[3].ffn.gate.bias.dtype == torch.float32 and low.embed.weight.dtype == torch.bfloat16
+    assert low.layers["3"].ffn.gate.bias.dtype == torch.float32 and low.embed.weight.dtype == torch.bfloat16
     ids = torch.randint(0, TINY.vocab_size, (1, 96))
     with torch.no_grad():
         ref, out = model(ids).log_softmax(-1), low(ids)

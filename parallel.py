@@ -1,0 +1,440 @@
+"""
+Hand-written parallelism on torch.distributed: one rank grid, pipeline parallel (1F1B and the
+all-forward-all-backward reference), expert parallel (dispatch/combine live next to MoE in model_dsv4.py),
+data-parallel gradient reduction, global grad-norm clipping, activation recompute and a host-memory
+optimizer. Tensor parallel is fixed at 1, as in the seed run (TP-heavy layouts deadlocked in RCCL).
+
+One code path for CPU/gloo and GPU/NCCL (RCCL on ROCm): a group of size 1 skips communication, and
+world size 1 runs the same functions without a process group.
+
+    python parallel.py --plan config/mi355x.py      # per-rank memory plan of the real V4-Flash, meta device
+"""
+import math
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from model_dsv4 import ModelArgs, Transformer, group_size
+
+VERBOSE = os.environ.get("VERBOSE") == "1"  # print an arrow per p2p transfer: the tool for a pipeline hang
+
+# -----------------------------------------------------------------------------
+# the rank grid
+
+@dataclass
+class Grid:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    pp_size: int
+    dp_size: int
+    ep_size: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int
+    edp_rank: int
+    pp_group: object = None  # None when the world is one process
+    dp_group: object = None
+    ep_group: object = None
+    edp_group: object = None  # the copies of one expert shard: dp_size / ep_size ranks
+    pp_prev: int = None  # global ranks of the neighbouring stages (None at the ends)
+    pp_next: int = None
+
+    @property
+    def is_first_stage(self):
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self):
+        return self.pp_rank == self.pp_size - 1
+
+    def __str__(self):
+        return (f"rank {self.rank}/{self.world_size} on {self.device}: pp {self.pp_rank}/{self.pp_size} "
+                f"dp {self.dp_rank}/{self.dp_size} ep {self.ep_rank}/{self.ep_size} edp {self.edp_rank}")
+
+
+def init_distributed(pp_size=1, ep_size=1, tp_size=1, timeout_s=600):
+    """Pick device and backend, create every process group, return this rank's Grid.
+
+    Axis order, written once: grid = arange(world).view(pp, dp // ep, ep), i.e.
+        rank = pp_rank * dp + dp_rank,   dp_rank = edp_rank * ep + ep_rank.
+    Stages are outermost (one node per stage in the seed's 4 x 8 layout, so pipeline p2p crosses nodes),
+    expert parallel innermost (all-to-all stays inside a node). Expert parallel is carved out of data
+    parallel: the ranks of an EP group hold different experts and see different data.
+    """
+    if tp_size != 1:
+        raise ValueError(f"tp_size={tp_size}: tensor parallel is not implemented; use pp_size and ep_size")
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if world % pp_size:
+        raise ValueError(f"world size {world} must divide by pp_size {pp_size}")
+    dp = world // pp_size
+    if dp % ep_size:
+        raise ValueError(f"dp = world / pp = {dp} must divide by ep_size {ep_size}")
+    if torch.cuda.is_available():  # ROCm builds report cuda too, and "nccl" is RCCL there
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    grid = torch.arange(world).view(pp_size, dp // ep_size, ep_size)
+    pp_rank, edp_rank, ep_rank = [int(i) for i in (grid == rank).nonzero()[0]]
+    g = Grid(rank, world, local_rank, device, pp_size, dp, ep_size, pp_rank, edp_rank * ep_size + ep_rank,
+             ep_rank, edp_rank)
+    if world == 1:
+        return g
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    # Every rank creates every group, in this fixed order (new_group is collective over the world).
+    mine = lambda groups: next(grp for ranks, grp in groups if rank in ranks)
+    new = lambda ranks_list: [(r, dist.new_group(r, timeout=timeout)) for r in ranks_list]
+    g.pp_group = mine(new([grid[:, e, k].tolist() for e in range(dp // ep_size) for k in range(ep_size)]))
+    g.dp_group = mine(new([grid[p].flatten().tolist() for p in range(pp_size)]))
+    g.ep_group = mine(new([grid[p, e].tolist() for p in range(pp_size) for e in range(dp // ep_size)]))
+    g.edp_group = mine(new([grid[p, :, k].tolist() for p in range(pp_size) for k in range(ep_size)]))
+    column = grid[:, edp_rank, ep_rank].tolist()
+    g.pp_prev = column[pp_rank - 1] if pp_rank > 0 else None
+    g.pp_next = column[pp_rank + 1] if pp_rank < pp_size - 1 else None
+    return g
+
+
+def all_reduce(t, group, what, op=dist.ReduceOp.SUM):
+    """In-place all_reduce that names the group and op when it fails (a dead peer, a timeout)."""
+    if group_size(group) > 1:
+        try:
+            dist.all_reduce(t, op=op, group=group)
+        except RuntimeError as e:
+            raise RuntimeError(f"all_reduce({what}) on ranks {dist.get_process_group_ranks(group)} "
+                               f"failed on rank {dist.get_rank()}: {e}") from e
+    return t
+
+
+# -----------------------------------------------------------------------------
+# pipeline stages: a slice of `layers`, the embedding on the first stage, hc_head/norm/head on the last
+
+def stage_layers(n_layers, pp_size, pp_layers=None):
+    """Layer indices of each stage: balanced (earlier stages take the remainder), or an explicit list of counts."""
+    counts = pp_layers or [n_layers // pp_size + (i < n_layers % pp_size) for i in range(pp_size)]
+    if len(counts) != pp_size or sum(counts) != n_layers:
+        raise ValueError(f"pp_layers {counts} must have {pp_size} entries summing to {n_layers} layers")
+    starts = [sum(counts[:i]) for i in range(pp_size)]
+    return [list(range(s, s + c)) for s, c in zip(starts, counts)]
+
+
+def build_stage(args: ModelArgs, grid: Grid, dtype=torch.float32, pp_layers=None, init=True, seed=0):
+    """This rank's part of the model, built on the meta device and then materialised: its layers, its
+    expert shard, and the ends its stage owns. Names stay the official ones (layers.{i}, experts.{e})."""
+    with torch.device("meta"):
+        model = Transformer(args, dtype=dtype, ep_group=grid.ep_group)
+    keep = set(stage_layers(args.num_hidden_layers, grid.pp_size, pp_layers)[grid.pp_rank])
+    for i in [k for k in model.layers if int(k) not in keep]:
+        del model.layers[i]
+    if not grid.is_first_stage:
+        model.embed = None
+    if not grid.is_last_stage:
+        model.norm = model.head = model.hc_head_fn = model.hc_head_base = model.hc_head_scale = None
+        model.mtp = torch.nn.ModuleList()
+    model = model.to_empty(device=grid.device)
+    if init:
+        model.init_weights(seed)
+    return model
+
+
+def stage_forward(model, x, ids, recompute=False):
+    """x: [B, T, n, D] from the previous stage, or None on the first stage -> streams, or fp32 logits on the last.
+    Every stage gets the micro-batch's token ids: hash-routed layers read them, wherever they sit."""
+    if x is None:
+        x = model.embed_streams(ids)
+    for layer in model.layers.values():
+        # recompute: keep only each layer's input, rerun the layer in backward (same routing: deterministic)
+        x = checkpoint(layer, x, ids, use_reentrant=False) if recompute else layer(x, ids)
+    return model.logits(x) if model.head is not None else x
+
+
+# -----------------------------------------------------------------------------
+# point-to-point: four verbs on batch_isend_irecv. Shapes travel first (a 4-int header), so a wrong
+# shape is a clear error on the receiver instead of a crash inside the transport.
+
+def p2p(grid, send=None, send_to=None, recv_shape=None, recv_from=None, dtype=None, what=""):
+    """Send one tensor and/or receive one, in a single batch (both directions at once cannot deadlock)."""
+    def batch(out, inp):
+        ops = ([dist.P2POp(dist.isend, out, send_to)] if out is not None else []) + \
+              ([dist.P2POp(dist.irecv, inp, recv_from)] if inp is not None else [])
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    if VERBOSE:
+        print(f"rank {grid.rank} {what}: " + (f"-> {send_to} {tuple(send.shape)} " if send is not None else "")
+              + (f"<- {recv_from} {tuple(recv_shape)}" if recv_shape is not None else ""), flush=True)
+    try:
+        long = dict(dtype=torch.int64, device=grid.device)
+        head_out = torch.tensor(send.shape, **long) if send is not None else None
+        head_in = torch.empty(len(recv_shape), **long) if recv_shape is not None else None
+        batch(head_out, head_in)
+        if head_in is not None and tuple(head_in.tolist()) != tuple(recv_shape):
+            raise ValueError(f"expected shape {tuple(recv_shape)}, peer sent {tuple(head_in.tolist())}")
+        buf = torch.empty(recv_shape, dtype=dtype, device=grid.device) if recv_shape is not None else None
+        batch(send.contiguous() if send is not None else None, buf)
+        return buf
+    except (RuntimeError, ValueError) as e:
+        raise RuntimeError(f"pipeline {what} (rank {grid.rank}, pp {grid.pp_rank}/{grid.pp_size}, "
+                           f"send to {send_to}, recv from {recv_from}) failed: {e}") from e
+
+
+def recv_fwd(grid, shape, dtype):
+    if grid.is_first_stage:
+        return None
+    return p2p(grid, recv_shape=shape, recv_from=grid.pp_prev, dtype=dtype, what="recv_fwd").requires_grad_()
+
+
+def send_fwd(grid, y):
+    if not grid.is_last_stage:
+        p2p(grid, send=y.detach(), send_to=grid.pp_next, what="send_fwd")
+
+
+def recv_bwd(grid, shape, dtype):
+    if grid.is_last_stage:
+        return None
+    return p2p(grid, recv_shape=shape, recv_from=grid.pp_next, dtype=dtype, what="recv_bwd")
+
+
+def send_bwd(grid, g):
+    if not grid.is_first_stage:
+        p2p(grid, send=g, send_to=grid.pp_prev, what="send_bwd")
+
+
+def send_fwd_recv_bwd(grid, y, shape):
+    if grid.is_last_stage:
+        return None
+    return p2p(grid, send=y.detach(), send_to=grid.pp_next, recv_shape=shape, recv_from=grid.pp_next,
+               dtype=y.dtype, what="send_fwd_recv_bwd")
+
+
+def send_bwd_recv_fwd(grid, g, shape, dtype):
+    if grid.is_first_stage:
+        return None
+    x = p2p(grid, send=g, send_to=grid.pp_prev, recv_shape=shape, recv_from=grid.pp_prev, dtype=dtype,
+            what="send_bwd_recv_fwd")
+    return x.requires_grad_()
+
+
+# -----------------------------------------------------------------------------
+# schedules. Each stage reads the same micro-batches (token ids and whatever the loss needs), so only
+# activations and their gradients travel. The loss is a function argument: the last stage computes
+# any token loss from what its micro-batch carries (advantages, old logprobs, ...).
+
+def _forward(model, grid, x, mb, loss_fn, recompute, metrics):
+    out = stage_forward(model, x, mb["input_ids"], recompute)
+    if not grid.is_last_stage:
+        return out
+    loss = loss_fn(out, mb)
+    if isinstance(loss, tuple):  # (loss, {name: value}) -> metrics summed over micro-batches
+        loss, extra = loss
+        for k, v in extra.items():
+            metrics[k] = metrics.get(k, 0.0) + float(v)
+    metrics["loss"] = metrics.get("loss", 0.0) + loss.item()
+    return loss
+
+
+def _backward(x, y, grad_y):
+    torch.autograd.backward(y, grad_tensors=grad_y)  # grad_y None on the last stage: y is the loss
+    return x.grad if x is not None else None
+
+
+def one_f_one_b(model, grid, microbatches, loss_fn, recompute=False):
+    """1F1B: warm up with (pp - rank - 1) forwards, alternate one forward and one backward, cool down.
+    At most pp - rank micro-batches' activations are alive at once."""
+    n, metrics, fifo = len(microbatches), {}, []
+    shape = lambda i: (*microbatches[i]["input_ids"].shape, model.args.hc_mult, model.args.hidden_size)
+    num_warmup = min(grid.pp_size - grid.pp_rank - 1, n)
+    # warmup
+    for i in range(num_warmup):
+        x = recv_fwd(grid, shape(i), model.dtype)
+        y = _forward(model, grid, x, microbatches[i], loss_fn, recompute, metrics)
+        send_fwd(grid, y)
+        fifo.append((x, y))
+    # steady state
+    x = recv_fwd(grid, shape(num_warmup), model.dtype) if num_warmup < n else None
+    for i in range(num_warmup, n):
+        y = _forward(model, grid, x, microbatches[i], loss_fn, recompute, metrics)
+        grad_y = send_fwd_recv_bwd(grid, y, shape(i - num_warmup))
+        fifo.append((x, y))
+        x_old, y_old = fifo.pop(0)
+        grad_x = _backward(x_old, y_old, grad_y)
+        if i == n - 1:
+            send_bwd(grid, grad_x)
+        else:
+            x = send_bwd_recv_fwd(grid, grad_x, shape(i + 1), model.dtype)
+    # cooldown
+    for i in range(n - num_warmup, n):
+        x_old, y_old = fifo.pop(0)
+        send_bwd(grid, _backward(x_old, y_old, recv_bwd(grid, shape(i), model.dtype)))
+    return metrics
+
+
+def afab(model, grid, microbatches, loss_fn, recompute=False):
+    """All forwards, then all backwards: the simple reference schedule (keeps every micro-batch alive)."""
+    metrics, saved = {}, []
+    shape = lambda mb: (*mb["input_ids"].shape, model.args.hc_mult, model.args.hidden_size)
+    for mb in microbatches:
+        x = recv_fwd(grid, shape(mb), model.dtype)
+        y = _forward(model, grid, x, mb, loss_fn, recompute, metrics)
+        send_fwd(grid, y)
+        saved.append((x, y))
+    for mb, (x, y) in zip(microbatches, saved):
+        send_bwd(grid, _backward(x, y, recv_bwd(grid, shape(mb), model.dtype)))
+    return metrics
+
+
+# -----------------------------------------------------------------------------
+# gradients and the optimizer
+
+def reduce_grads(model, grid):
+    """Sum gradients over the ranks that hold copies of the same parameter:
+    dense parameters over dp; routed experts over edp (each EP group holds one copy of every expert, and
+    an expert's gradient already has every EP-group rank's tokens in it, through combine's backward).
+    A sum, not a mean: the loss is normalised by global counts, so the result does not depend on the layout."""
+    dense, expert = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            if p.grad is None:  # an expert no token chose this step: still takes part in the reduce
+                p.grad = torch.zeros_like(p)
+            (expert if ".experts." in name else dense).append(p.grad)
+    for grads, group, what in ((dense, grid.dp_group, "dense grads over dp"), (expert, grid.edp_group, "expert grads over edp")):
+        if grads and group_size(group) > 1:
+            flat = all_reduce(torch.cat([g.flatten().float() for g in grads]), group, what)
+            for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(chunk.view_as(g))
+
+
+def clip_grad_norm(model, grid, max_norm):
+    """Global grad norm over every parameter of the model, counted once: experts differ across the EP
+    group, layers across the pipeline; dense copies across dp are identical after reduce_grads."""
+    sq = {"dense": torch.zeros((), device=grid.device), "expert": torch.zeros((), device=grid.device)}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            sq["expert" if ".experts." in name else "dense"] += p.grad.float().square().sum()
+    total = sq["dense"] + all_reduce(sq["expert"], grid.ep_group, "expert grad norm over ep")
+    norm = all_reduce(total, grid.pp_group, "grad norm over pp").sqrt()
+    if max_norm and math.isfinite(norm.item()):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+    return norm.item()
+
+
+class AdamW:
+    """AdamW on fp32 master copies of the parameters, which live on the device or, with offload=True, in
+    host memory (the moments too; the step runs on the CPU and the new weights are copied back)."""
+    def __init__(self, params, lr, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8, offload=False):
+        self.params = [p for p in params if p.requires_grad]
+        home = torch.device("cpu") if offload else None
+        self.master = [p.detach().to(device=home or p.device, dtype=torch.float32, copy=True) for p in self.params]
+        decay = [m for m, p in zip(self.master, self.params) if p.dim() >= 2]  # matrices decay; norms, biases don't
+        no_decay = [m for m, p in zip(self.master, self.params) if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+
+    @property
+    def param_groups(self):
+        return self.opt.param_groups
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            m.grad = p.grad.to(device=m.device, dtype=torch.float32) if p.grad is not None else None
+        self.opt.step()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m.to(p.device, non_blocking=True))
+            m.grad = None
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self):
+        return {"opt": self.opt.state_dict(), "master": [m.cpu() for m in self.master]}
+
+    def load_state_dict(self, sd):
+        self.opt.load_state_dict(sd["opt"])
+        for m, saved in zip(self.master, sd["master"]):
+            m.copy_(saved)
+
+
+def train_step(model, grid, opt, microbatches, loss_fn, grad_clip=1.0, schedule="1f1b", recompute=False):
+    """One optimizer step over this rank's micro-batches (every DP rank must pass the same number).
+    microbatches: dicts with "input_ids" [B, T] plus what loss_fn reads; loss_fn(logits, mb) -> loss or
+    (loss, metrics), where the loss is the micro-batch's share of the global loss (normalised by global
+    counts). Returns the metrics summed over micro-batches (on the last stage) plus grad_norm and
+    skipped (a non-finite gradient skips the update)."""
+    opt.zero_grad()
+    run = one_f_one_b if schedule == "1f1b" else afab
+    metrics = run(model, grid, microbatches, loss_fn, recompute)
+    reduce_grads(model, grid)
+    metrics["grad_norm"] = clip_grad_norm(model, grid, grad_clip)
+    metrics["skipped"] = not math.isfinite(metrics["grad_norm"])  # same verdict on every rank: the norm is global
+    if not metrics["skipped"]:
+        opt.step()
+    return metrics
+
+
+# -----------------------------------------------------------------------------
+# memory plan of a layout, computed on the meta device (no hardware needed)
+
+def memory_plan(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n_microbatches, pp_layers=None):
+    """Per-stage bytes of one rank: weights (bf16, fp32 where the reference keeps fp32), grads (same dtype),
+    optimizer (fp32 master + two moments = 12 B/param; in host memory with offload) and an activation
+    estimate for 1F1B with this micro-batch."""
+    with torch.device("meta"):
+        full = Transformer(args, dtype=torch.bfloat16)
+    stages, rows, GB = stage_layers(args.num_hidden_layers, pp_size, pp_layers), [], 1e9
+    for pp_rank, layers in enumerate(stages):
+        first, last = pp_rank == 0, pp_rank == pp_size - 1
+        n_param = w_bytes = 0
+        for name, p in full.named_parameters():
+            top = name.split(".")[0]
+            if top == "layers" and int(name.split(".")[1]) not in layers or top == "embed" and not first \
+                    or top in ("norm", "head", "mtp", "hc_head_fn", "hc_head_base", "hc_head_scale") and not last:
+                continue
+            share = 1 / ep_size if ".experts." in name else 1  # routed experts are sharded over EP
+            n_param += p.numel() * share
+            w_bytes += p.numel() * p.element_size() * share
+        tokens = micro_batch * seq_len
+        inflight = min(pp_size - pp_rank, n_microbatches)  # 1F1B keeps at most pp - rank micro-batches alive
+        stream = tokens * args.hc_mult * args.hidden_size * 2  # one layer input [B, T, n, D] in bf16
+        # one layer's working set while it (re)computes: fp32 attention probabilities over the window and a
+        # quarter of the sequence (CSA's compressed keys), kept for backward, plus the routed experts' activations
+        work = micro_batch * args.num_attention_heads * seq_len * (args.sliding_window + seq_len // 4) * 4 * 2 \
+            + tokens * args.num_experts_per_tok * args.moe_intermediate_size * 4 * 3
+        act = inflight * len(layers) * (stream if recompute else 12 * stream) + work  # 12: rough, without recompute
+        rows.append(dict(stage=pp_rank, layers=f"{layers[0]}-{layers[-1]}", params=n_param, weights=w_bytes / GB,
+                         optim=12 * n_param / GB, act=act / GB))
+    return rows
+
+
+if __name__ == "__main__" and "--plan" in sys.argv:
+    opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+    cfg = {}
+    exec(open(sys.argv[sys.argv.index("--plan") + 1]).read(), cfg)
+    args = ModelArgs.from_json(cfg["model_config"])
+    world, gpu_gb = int(opts.get("world", 32)), float(opts.get("gpu_gb", 288))
+    dp = world // cfg["pp_size"]
+    micro = max(1, cfg["n_prompts"] * cfg["n_samples"] // dp // cfg["n_microbatches"])
+    seq = cfg["max_prompt_len"] + cfg["max_new_tokens"]
+    rows = memory_plan(args, cfg["pp_size"], cfg["ep_size"], world, micro, seq, cfg["recompute"], cfg["n_microbatches"])
+    print(f"Memory plan, computed on the meta device (not run): {cfg['model_config']} on {world} GPUs of {gpu_gb:.0f} GB, "
+          f"pp {cfg['pp_size']} x dp {dp}, ep {cfg['ep_size']}, micro-batch {micro} x {seq} tokens, "
+          f"{cfg['n_microbatches']} micro-batches, recompute {cfg['recompute']}.\n")
+    print("| stage | layers | params per rank | weights GB | grads GB | fp32 master + Adam GB | activations GB "
+          "| GPU total GB | GPU total GB, optimizer offloaded |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        base = 2 * r["weights"] + r["act"]
+        print(f"| {r['stage']} | {r['layers']} | {r['params'] / 1e9:.2f}B | {r['weights']:.1f} | {r['weights']:.1f} "
+              f"| {r['optim']:.1f} | {r['act']:.1f} | {base + r['optim']:.1f} | {base:.1f} |")
