@@ -267,8 +267,10 @@ class Compressor(nn.Module):
         # x: [B, T, D] -> [B, T // ratio, d]; a trailing partial window emits nothing
         B, T, _ = x.shape
         W = T // self.ratio
+        if W == 0:
+            return x.new_zeros(B, 0, self.head_dim)
         kv, score = self.project(x[:, :W * self.ratio])
-        view = lambda t: t.view(B, W, self.ratio, -1)
+        view = lambda t: t.view(B, W, self.ratio, t.shape[-1])
         pos = torch.arange(W, device=x.device) * self.ratio
         return self.finish(self.pool(view(kv), view(score)), args, pos)
 

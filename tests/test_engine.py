@@ -1,0 +1,113 @@
+"""The KV-cache engine against the training forward, and its sampling semantics."""
+import copy
+
+import pytest
+import torch
+
+from conftest import SMALL, TINY, randomize_
+from engine import Engine, SamplingParams
+from model_dsv4 import Transformer
+
+
+def model_of(args, dtype=torch.float32):
+    m = Transformer(copy.deepcopy(args), dtype=torch.float32)
+    return randomize_(m, args.n_routed_experts, args.num_experts_per_tok).set_dtype(dtype)
+
+
+def forward_logprobs(model, req, temperature=1.0):
+    """What the trainer computes for a finished request: log_softmax(logits / T) at the generated tokens."""
+    ids = torch.tensor(req.input_ids + req.output_ids)[None]
+    with torch.no_grad():
+        logits = model(ids)[0, len(req.input_ids) - 1:-1]
+    return (logits / temperature).log_softmax(-1).gather(-1, ids[0, len(req.input_ids):, None])[:, 0]
+
+
+@pytest.mark.parametrize("args,lengths,new", [(TINY, (1, 3, 17, 33, 70), 40), (SMALL, (5, 120, 200), 70)],
+                         ids=["tiny", "small"])
+def test_prefill_then_decode_equals_full_forward(args, lengths, new):
+    """Prompts shorter than a compression window, longer than the sliding window, and decodes that cross
+    CSA (4), HCA (16 / 128) and window boundaries."""
+    model = model_of(args)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, args.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    engine = Engine(model, max_batch=8, max_len=512)
+    reqs = engine.generate(prompts, SamplingParams(temperature=0.7, max_new_tokens=new, ignore_eos=True, seed=3))
+    for r in reqs:
+        assert len(r.output_ids) == new and r.finish_reason == {"type": "length", "length": new}
+        diff = (forward_logprobs(model, r, 0.7) - torch.tensor(r.output_logprobs)).abs().max().item()
+        assert diff <= 1e-4, f"prompt {len(r.input_ids)}: engine vs forward {diff:.2e}"
+
+
+def test_batched_equals_one_by_one_and_prefix_sharing():
+    """Same seeds give the same tokens whether requests run alone or together, and n samples of one
+    prompt (prefilled once, cache copied) differ only through their seeds."""
+    model = model_of(TINY)
+    prompts = [[5, 6, 7, 8, 9], [11] * 40, [5, 6, 7, 8, 9], [3, 4]]
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True, seed=s) for s in (1, 2, 3, 4)]
+    together = Engine(model, max_batch=8, max_len=128).generate(prompts, params)
+    for p, sp, r in zip(prompts, params, together):
+        alone = Engine(model, max_batch=8, max_len=128).generate([p], sp)[0]
+        assert alone.output_ids == r.output_ids
+        torch.testing.assert_close(torch.tensor(alone.output_logprobs), torch.tensor(r.output_logprobs))
+    assert together[0].output_ids != together[2].output_ids  # same prompt, other seed
+
+
+def test_continuous_batching_admits_mid_flight():
+    model = model_of(TINY)
+    engine = Engine(model, max_batch=2, max_len=128)  # 2 slots for 3 requests: one waits for a free slot
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    reqs = [engine.submit(p, sp, str(i)) for i, p in enumerate([[1, 2, 3], [4] * 9, [7, 8]])]
+    engine.step()
+    late = engine.submit([9, 9, 9, 9, 9], sp, "late")
+    while not all(r.done.is_set() for r in reqs + [late]):
+        engine.step()
+    for r in reqs + [late]:  # greedy: every token is the argmax of the full forward
+        ids = torch.tensor(r.input_ids + r.output_ids)[None]
+        with torch.no_grad():
+            want = model(ids)[0, len(r.input_ids) - 1:-1].argmax(-1).tolist()
+        assert r.output_ids == want
+
+
+def test_sampling_semantics():
+    model = model_of(TINY)
+    engine = Engine(model, max_batch=8, max_len=128)
+    prompt = [10, 20, 30]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]))[0, -1]
+    # top-k 3: the first token is one of the 3 most likely, and its logprob is still over the full vocab
+    reqs = engine.generate([prompt] * 6, [SamplingParams(top_k=3, max_new_tokens=1, seed=s) for s in range(6)])
+    top3 = set(logits.topk(3).indices.tolist())
+    for r in reqs:
+        assert r.output_ids[0] in top3
+        assert abs(r.output_logprobs[0] - logits.log_softmax(-1)[r.output_ids[0]].item()) < 1e-5
+    # top-p small: only the most likely token survives
+    r = engine.generate([prompt], SamplingParams(top_p=1e-4, max_new_tokens=1, seed=0))[0]
+    assert r.output_ids[0] == int(logits.argmax())
+    # stop tokens and EOS end a request with SGLang's finish reasons
+    first = int(logits.argmax())
+    r = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=9, stop_token_ids=(first,)))[0]
+    assert r.output_ids == [first] and r.finish_reason == {"type": "stop", "matched": first}
+
+
+def test_abort_and_bad_input():
+    model = model_of(TINY)
+    engine = Engine(model, max_batch=2, max_len=64)
+    with pytest.raises(ValueError, match="max_len"):
+        engine.submit([1] * 60, SamplingParams(max_new_tokens=10), "too-long")
+    r = engine.submit([1, 2], SamplingParams(max_new_tokens=50, ignore_eos=True), "a")
+    engine.step()
+    engine.abort("a")
+    engine.step()
+    assert r.done.is_set() and r.finish_reason["type"] == "abort"
+    with pytest.raises(ValueError, match="unknown"):
+        engine.load_weights({"layers.0.nope.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights({"embed.weight": torch.zeros(3, 3)})
+
+
+def test_bf16_engine_close_to_bf16_forward():
+    model = model_of(TINY, torch.bfloat16)
+    engine = Engine(model, max_batch=4, max_len=128)
+    r = engine.generate([list(range(2, 50))], SamplingParams(max_new_tokens=30, ignore_eos=True, seed=0))[0]
+    diff = (forward_logprobs(model, r) - torch.tensor(r.output_logprobs)).abs()
+    assert diff.mean().item() < 0.05, diff.mean().item()
