@@ -191,19 +191,26 @@ class Engine:
         with self.wake:
             free = [s for s in range(self.max_batch) if s not in self.running]
             batch = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
-        done = {}  # GRPO sends n samples of one prompt: prefill it once and copy the cache
+        if not batch:
+            return
+        # GRPO sends n samples of one prompt: prefill each distinct prompt once, then copy its cache slot
+        first = {}
         for req, slot in zip(batch, free):
             req.slot = slot
-            key = tuple(req.input_ids)
-            if key in done:
-                self.cache.copy(done[key][0], slot)
-                logits = done[key][1]
-            else:
-                self.cache.reset(slot)
-                logits = self.prefill(slot, torch.tensor(req.input_ids, device=self.device))
-                done[key] = (slot, logits)
-            self.running[slot] = req
-            self._sample(req, logits)
+            self.cache.reset(slot)  # a slot's previous sequence must leave no window entries or overlap state
+            first.setdefault(tuple(req.input_ids), req)
+        uniq = list(first.values())
+        logits = {}
+        for i in range(0, len(uniq), self.max_batch):  # prompts of one chunk are right-padded together
+            chunk = uniq[i:i + self.max_batch]
+            out = self.prefill([r.slot for r in chunk], [r.input_ids for r in chunk])
+            logits.update({id(r): row for r, row in zip(chunk, out)})
+        for req in batch:
+            src = first[tuple(req.input_ids)]
+            if src is not req:
+                self.cache.copy(src.slot, req.slot)
+            self.running[req.slot] = req
+            self._sample(req, logits[id(src)])
 
     def _finish_aborted(self):
         with self.wake:
@@ -244,40 +251,39 @@ class Engine:
             self._finish(req, {"type": "length", "length": len(req.output_ids)})
 
     # ------------------------------------------------------------------ the model, with the cache
-    def prefill(self, slot, ids):
-        """ids: [L] -> fp32 logits of the last position; fills the cache slot from position 0."""
+    def prefill(self, slots, prompts):
+        """prompts: token lists, right-padded into one batch (causal: the pads never reach the real tokens)
+        -> fp32 logits [B, vocab] at each prompt's last position; fills each slot's cache from position 0."""
         model, a = self.model, self.args
-        x = model.embed_streams(ids[None])
-        L = ids.shape[0]
+        lengths = [len(p) for p in prompts]
+        ids = torch.tensor([p + [0] * (max(lengths) - len(p)) for p in prompts], device=self.device)
+        x = model.embed_streams(ids)
+        pos = torch.arange(ids.shape[1], device=self.device)
         for layer, c in zip(model.layers.values(), self.cache.layers):
             h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
             h = layer.attn_norm(h)
             attn = layer.attn
-            # what decode will need from the prompt: the last window of KV, compressed entries, partial windows
-            pos = torch.arange(L, device=self.device)
+            # what decode needs from the prompt: the last window of KV, compressed entries, partial windows
             cos, sin = rope_cos_sin(a, attn.ratio, pos)
-            keep = pos[-a.sliding_window:]
-            c["win"][slot, keep % a.sliding_window] = attn.window_kv(h, cos, sin)[0, keep]
-            c["win_pos"][slot, keep % a.sliding_window] = keep
-            for name, comp in (("comp", attn.compressor), ("idx", attn.indexer.compressor if attn.indexer else None)):
-                if comp is not None:
-                    self._prefill_compressor(comp, h, c, name, slot)
+            kv = attn.window_kv(h, cos, sin)
+            comps = [(n, cp, cp(h, a), *cp.project(h)) for n, cp in (("comp", attn.compressor),
+                     ("idx", attn.indexer.compressor if attn.indexer else None)) if cp is not None]
+            for b, (slot, L) in enumerate(zip(slots, lengths)):
+                keep = pos[max(0, L - a.sliding_window):L]
+                c["win"][slot, keep % a.sliding_window] = kv[b, keep]
+                c["win_pos"][slot, keep % a.sliding_window] = keep
+                for name, comp, entries, ckv, score in comps:
+                    m, d, W = comp.ratio, comp.head_dim, L // comp.ratio
+                    c[name][slot, :W] = entries[b, :W]
+                    c[name + "_kv"][slot, :L - W * m], c[name + "_score"][slot, :L - W * m] = ckv[b, W * m:L], score[b, W * m:L]
+                    if comp.overlap and W:  # the last complete window's first-half rows, position bias added
+                        c[name + "_prev_kv"][slot] = ckv[b, (W - 1) * m:W * m, :d]
+                        c[name + "_prev_score"][slot] = (score[b, (W - 1) * m:W * m] + comp.ape)[:, :d]
             x = layer.hc_post(attn(h), x, post, comb)
             h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
-            x = layer.hc_post(layer.ffn(layer.ffn_norm(h), ids[None]), x, post, comb)
-        return model.logits(x[:, -1:])[0, 0]
-
-    def _prefill_compressor(self, comp, h, c, name, slot):
-        m, d, L = comp.ratio, comp.head_dim, h.shape[1]
-        W = L // m
-        if W:
-            c[name][slot, :W] = comp(h, self.args)[0]
-        kv, score = comp.project(h[0])  # [L, coff*d] fp32
-        r = L - W * m
-        c[name + "_kv"][slot, :r], c[name + "_score"][slot, :r] = kv[W * m:], score[W * m:]
-        if comp.overlap and W:  # the last complete window's first-half rows, with the position bias added
-            c[name + "_prev_kv"][slot] = kv[(W - 1) * m:W * m, :d]
-            c[name + "_prev_score"][slot] = (score[(W - 1) * m:W * m] + comp.ape)[:, :d]
+            x = layer.hc_post(layer.ffn(layer.ffn_norm(h), ids), x, post, comb)
+        last = torch.tensor(lengths, device=self.device) - 1
+        return model.logits(x[torch.arange(len(prompts), device=self.device), last][:, None])[:, 0]
 
     def decode(self, slots, tokens, pos):
         """One token per sequence. slots, tokens, pos: [B] -> fp32 logits [B, vocab]."""
