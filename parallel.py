@@ -291,6 +291,21 @@ def afab(model, grid, microbatches, loss_fn, recompute=False):
     return metrics
 
 
+@torch.no_grad()
+def forward_only(model, grid, microbatches, fn):
+    """Forward every micro-batch through the pipeline; the last stage returns [fn(logits, mb) for each mb]
+    (old-policy or reference logprobs, evaluation), the other stages an empty list."""
+    out = []
+    for mb in microbatches:
+        x = recv_fwd(grid, (*mb["input_ids"].shape, model.args.hc_mult, model.args.hidden_size), model.dtype)
+        y = stage_forward(model, x, mb["input_ids"])
+        if grid.is_last_stage:
+            out.append(fn(y, mb))
+        else:
+            send_fwd(grid, y)
+    return out
+
+
 # -----------------------------------------------------------------------------
 # gradients and the optimizer
 

