@@ -1,0 +1,350 @@
+"""
+Rollouts over SGLang's native HTTP API (../shared/docs/sglang_api.md). The trainer has one code path: it
+always talks HTTP, to real SGLang servers at scale or to the embedded server (server.py) on CPU and in CI.
+
+    client = RolloutClient("http://10.0.0.1:30000,http://10.0.0.2:30000")
+    groups = client.generate(prompts, n=8, sampling={"temperature": 0.8, "max_new_tokens": 4096}, seed=step)
+    client.pause(); client.flush_cache(); client.update_weights_from_disk(path, "step-12"); client.continue_()
+
+    python rollout.py --serve --model out/ckpt --port 30000     # the embedded server (see server.py)
+    python rollout.py                                           # self-check: tiny model, server, client, seconds
+
+Only the standard library: requests run as blocking http.client calls in threads (asyncio.to_thread under
+a semaphore), so there is no aiohttp/requests dependency.
+"""
+import asyncio
+import hashlib
+import http.client
+import json
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+# Connection refused or reset, timeouts, a response cut short: the server, not the request, is at fault.
+RETRYABLE = (OSError, http.client.HTTPException)
+
+# Training rollouts keep top_p 1 and top_k -1: the returned logprobs are over the full vocabulary (as the
+# trainer's are), so any truncation would make the two sides disagree. The last two keys shape only the
+# detokenized text: keep it whole, stop token included, as output_ids always are.
+DEFAULT_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 128, "stop_token_ids": [],
+                    "skip_special_tokens": False, "no_stop_trim": True}
+
+
+def sample_seed(seed, prompt_idx, sample_idx):
+    """The sampling seed of one sample, a pure function of (seed, prompt, sample): a rerun draws the same
+    tokens whichever server takes the request. 31 bits, so any backend takes it as a plain int."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_idx}/{sample_idx}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (1 << 31)
+
+
+def error_message(payload):
+    """The text of an error body: {"error": "..."} (SGLang's contract errors, 401), {"error": {"message": ...}},
+    {"success": false, "message": ...} (weight updates), or whatever a proxy sent, cut short."""
+    if isinstance(payload, dict):
+        err = payload.get("error", payload.get("message", payload))
+        payload = err.get("message", err) if isinstance(err, dict) else err
+    return str(payload)[:500]
+
+
+def parse_sample(url, out):
+    """One /generate response -> the sample the trainer uses. The logprob entries [logprob, token_id, text]
+    must name exactly the output tokens: the trainer pairs them up by position."""
+    mi = out["meta_info"]
+    entries = mi.get("output_token_logprobs") or []
+    if [e[1] for e in entries] != out["output_ids"] or any(e[0] is None for e in entries):
+        raise RuntimeError(f"{url}: request {mi['id']}: output_token_logprobs {entries} do not match "
+                           f"output_ids {out['output_ids']}")
+    return {"output_ids": out["output_ids"], "logprobs": [float(e[0]) for e in entries],
+            "finish_reason": mi["finish_reason"], "weight_version": mi.get("weight_version"),
+            "prompt_tokens": mi["prompt_tokens"], "completion_tokens": mi["completion_tokens"], "url": url}
+
+
+class Progress:
+    """done/total and tokens/s as one `\\r` line on stderr; only on a terminal, so that logs stay clean."""
+    def __init__(self, total, desc):
+        self.total, self.desc, self.done, self.tokens = total, desc, 0, 0
+        self.t0 = self.last = time.time()
+        self.live = total > 0 and sys.stderr.isatty()
+
+    def update(self, tokens):
+        self.done, self.tokens = self.done + 1, self.tokens + tokens
+        now = time.time()
+        if self.live and (now - self.last > 0.2 or self.done == self.total):
+            self.last, dt = now, now - self.t0
+            end = "\n" if self.done == self.total else ""
+            sys.stderr.write(f"\r{self.desc}: {self.done}/{self.total} | {self.tokens} tokens | "
+                             f"{self.tokens / max(dt, 1e-6):.0f} tok/s | {dt:.1f}s{end}")
+            sys.stderr.flush()
+
+
+class RolloutClient:
+    """Samples from /generate on one or more servers, and fans the admin calls out to all of them.
+
+    Load balancing: the URL with the fewest outstanding requests, ties taken in turn. A connection error or
+    a 5xx takes a URL out of rotation for backoff * 2^(k-1) seconds after its k-th failure in a row (at most
+    max_backoff), and the request moves to another URL; a request that failed 1 + `retries` times raises,
+    naming every URL and its last error. generate() starts with a health check of every URL. A 4xx is a
+    bad request, not a bad server: it raises at once."""
+
+    def __init__(self, urls, api_key=None, timeout=3600.0, max_concurrency=256, retries=4, backoff=0.5,
+                 max_backoff=30.0):
+        urls = urls.split(",") if isinstance(urls, str) else urls
+        self.urls = list(dict.fromkeys(u.strip().rstrip("/") for u in urls if u.strip()))
+        if not self.urls:
+            raise ValueError("RolloutClient: no server URLs given")
+        self.api_key, self.timeout, self.max_concurrency = api_key, timeout, max_concurrency
+        self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self.outstanding = dict.fromkeys(self.urls, 0)
+        self.fails = dict.fromkeys(self.urls, 0)  # failures in a row
+        self.down_until = dict.fromkeys(self.urls, 0.0)  # time.monotonic() before which a URL is skipped
+        self.last_error = dict.fromkeys(self.urls)
+        self.turn = 0
+
+    # ------------------------------------------------------------------ HTTP
+    def _http(self, url, method, path, body=None, timeout=None):
+        """One blocking request on a fresh connection (no pooled socket to go stale between rollouts):
+        (status, JSON body, or text when it is not JSON). Connection trouble raises one of RETRYABLE."""
+        u = urlsplit(url)
+        conn_class = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = conn_class(u.hostname, u.port, timeout=timeout or self.timeout)
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        try:
+            conn.request(method, u.path + path, None if body is None else json.dumps(body).encode(), headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        try:
+            return resp.status, json.loads(raw) if raw else None
+        except ValueError:
+            return resp.status, raw.decode(errors="replace")
+
+    def _mark_down(self, url, err):
+        """Out of rotation for a backoff. The failures of requests that were already in flight when the URL
+        went down are the same incident: they do not count again."""
+        self.last_error[url] = str(err)
+        now = time.monotonic()
+        if now >= self.down_until[url]:
+            self.fails[url] += 1
+            self.down_until[url] = now + min(self.backoff * 2 ** (self.fails[url] - 1), self.max_backoff)
+
+    def _unreachable(self, what):
+        lines = "".join(f"\n  {u}: {self.last_error[u]}" for u in self.urls)
+        return RuntimeError(f"rollout servers unreachable: {what}; last error per server:{lines}")
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts, n, sampling, seed, desc="rollout"):
+        """n samples for each prompt (a list of token ids) -> [prompt][sample] dicts with output_ids, logprobs,
+        finish_reason, weight_version, prompt_tokens, completion_tokens and url.
+        Group sampling is n separate requests per prompt (SGLang's own n > 1 would replace our rids), each
+        with its own sampling_seed from (seed, prompt index, sample index). A plain function: it runs its
+        own asyncio loop, so it cannot be called from inside a running one."""
+        if sampling.get("n", 1) != 1:
+            raise ValueError("sampling['n'] must stay 1: pass n to generate() instead")
+        params, tag = {**DEFAULT_SAMPLING, **sampling}, f"{desc}-{uuid.uuid4().hex[:8]}"
+        bodies = [{"input_ids": list(p), "sampling_params": {**params, "sampling_seed": sample_seed(seed, i, j)},
+                   "return_logprob": True, "rid": f"{tag}-{i}-{j}"} for i, p in enumerate(prompts) for j in range(n)]
+        if not any(self.health().values()):
+            raise self._unreachable("no server passed GET /health")
+        flat = asyncio.run(self._generate_all(bodies, desc))
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    async def _generate_all(self, bodies, desc):
+        # to_thread runs on the loop's default executor, whose min(32, cpus + 4) threads would cap concurrency
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(self.max_concurrency))
+        limit, bar = asyncio.Semaphore(self.max_concurrency), Progress(len(bodies), desc)
+
+        async def one(body):
+            async with limit:
+                sample = await self._generate_one(body)
+            bar.update(sample["completion_tokens"])
+            return sample
+        # TODO: on a hard failure the other requests still run to completion before the error surfaces
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+    async def _generate_one(self, body):
+        for _ in range(1 + self.retries):
+            url = await self._pick()
+            self.outstanding[url] += 1
+            try:
+                status, out = await asyncio.to_thread(self._http, url, "POST", "/generate", body)
+            except RETRYABLE as e:  # TODO: after a timeout, /abort_request the rid there before moving on
+                status, out = None, f"{type(e).__name__}: {e}"
+            finally:
+                self.outstanding[url] -= 1
+            if status == 200:
+                self.fails[url] = 0
+                return parse_sample(url, out)
+            if status is not None and status < 500:
+                raise RuntimeError(f"{url}/generate: HTTP {status}: {error_message(out)}")
+            self._mark_down(url, out if status is None else f"HTTP {status}: {error_message(out)}")
+        raise self._unreachable(f"request {body['rid']} failed {1 + self.retries} times")
+
+    async def _pick(self):
+        """The URL for the next attempt, waiting out the backoffs when every URL is out."""
+        while True:
+            now = time.monotonic()
+            up = [u for u in self.urls if self.down_until[u] <= now]
+            if up:
+                self.turn += 1
+                k = self.turn % len(up)
+                return min(up[k:] + up[:k], key=self.outstanding.get)  # min keeps the first of equals: turns
+            await asyncio.sleep(min(self.down_until.values()) - now)
+
+    # ------------------------------------------------------------------ admin, on every server
+    def wait_ready(self, timeout=600.0):
+        """Until every URL passes GET /health (a server loading a big checkpoint takes minutes); RuntimeError
+        naming each URL that did not, after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not all(self.health(timeout=10.0).values()):
+            if time.monotonic() > deadline:
+                raise self._unreachable(f"not every server ready after {timeout:.0f} s")
+            time.sleep(1.0)
+
+    def health(self, timeout=30.0):
+        """GET /health on every URL -> {url: ok}. A passing URL is back in rotation; a failing one is out for
+        a backoff, its error in last_error."""
+        def check(url):
+            try:
+                status, out = self._http(url, "GET", "/health", timeout=timeout)
+                return None if status == 200 else f"HTTP {status}: {error_message(out)}"
+            except RETRYABLE as e:
+                return f"{type(e).__name__}: {e}"
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            errors = dict(zip(self.urls, pool.map(check, self.urls)))
+        for url, err in errors.items():
+            if err is None:
+                self.fails[url], self.down_until[url] = 0, 0.0
+            else:
+                self._mark_down(url, err)
+        return {u: err is None for u, err in errors.items()}
+
+    def _fanout(self, method, path, body=None):
+        """The same call on every URL at once -> {url: response}. No retries: an admin call that failed on
+        one server leaves the servers out of step, so it raises, naming every URL that failed and why."""
+        def call(url):
+            try:
+                status, out = self._http(url, method, path, body)
+            except RETRYABLE as e:
+                return None, f"{type(e).__name__}: {e}"
+            failed = status != 200 or (isinstance(out, dict) and out.get("success") is False)
+            return out, f"HTTP {status}: {error_message(out)}" if failed else None
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            results = dict(zip(self.urls, pool.map(call, self.urls)))
+        failed = "".join(f"\n  {u}: {err}" for u, (_, err) in results.items() if err)
+        if failed:
+            raise RuntimeError(f"{method} {path} failed on:{failed}")
+        return {u: out for u, (out, _) in results.items()}
+
+    def model_info(self):
+        return self._fanout("GET", "/model_info")  # weight_version, model_path, ...
+
+    def pause(self, mode="retract"):
+        return self._fanout("POST", "/pause_generation", {"mode": mode})
+
+    def continue_(self):
+        return self._fanout("POST", "/continue_generation", {})
+
+    def flush_cache(self):
+        return self._fanout("POST", "/flush_cache")
+
+    def abort_all(self):
+        return self._fanout("POST", "/abort_request", {"abort_all": True})
+
+    def begin_weight_update(self):
+        return self._fanout("POST", "/begin_weight_update", {})
+
+    def end_weight_update(self):
+        return self._fanout("POST", "/end_weight_update", {})
+
+    def update_weights_from_disk(self, path, weight_version=None):
+        return self._fanout("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": weight_version})
+
+    def update_weight_version(self, version, abort_all_requests=True):
+        return self._fanout("POST", "/update_weight_version",
+                            {"new_version": version, "abort_all_requests": abort_all_requests})
+
+    def get_weights_by_name(self, name, truncate_size=100):
+        return self._fanout("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+    def post_all(self, path, body):
+        """Any other endpoint on every server, e.g. the distributed weight sync (/init_weights_update_group,
+        /update_weights_from_distributed, /destroy_weights_update_group) that weight_sync.py drives."""
+        return self._fanout("POST", path, body)
+
+
+def init_weight_update_group(master_address, master_port, rank, world_size, group_name, backend="gloo",
+                             timeout_s=600):
+    """Join the weight-sync process group exactly as SGLang does (init_custom_process_group): a tcp://
+    rendezvous whose store (hosted by rank 0, the trainer) is wrapped in PrefixStore(group_name). A plain
+    init_process_group would not meet SGLang, whose store keys carry that prefix. Both sides call this."""
+    from datetime import timedelta
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group rank == rank in the group
+    return group
+
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    import argparse
+    p = argparse.ArgumentParser(description="--serve: the embedded SGLang-compatible server; else a self-check")
+    p.add_argument("--serve", action="store_true")
+    p.add_argument("--model", help="checkpoint directory (model_dsv4.save_pretrained layout)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on the ready line)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the trainer) is gone")
+    args = p.parse_args()
+    import server
+    if args.serve:
+        if not args.model:
+            p.error("--serve needs --model")
+        server.serve(args)
+        sys.exit(0)
+    # Self-check on CPU in seconds: a tiny random model behind the embedded server; the client's logprobs
+    # equal the training forward's, and the seeds make a rerun draw the same tokens.
+    import tempfile
+    import torch
+    from model_dsv4 import ModelArgs, Transformer, save_pretrained
+    t0 = time.time()
+    model = Transformer(ModelArgs(vocab_size=512, num_hidden_layers=4, compress_ratios=[0, 4, 16, 0],
+                                  num_nextn_predict_layers=0, num_hash_layers=1), dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model, d)
+        srv = server.start(d, port=0, dtype=torch.float32, device="cpu", max_batch=16, max_len=256)
+    client = RolloutClient(srv.url)
+    prompts = [torch.randint(2, 512, (n,)).tolist() for n in (3, 20, 41)]
+    sampling = {"temperature": 0.7, "max_new_tokens": 24}
+    groups = client.generate(prompts, n=4, sampling=sampling, seed=0)
+    worst = 0.0
+    for prompt, group in zip(prompts, groups):
+        for s in group:
+            ids = torch.tensor(prompt + s["output_ids"])[None]
+            with torch.no_grad():
+                logits = model(ids)[0, len(prompt) - 1:-1] / sampling["temperature"]
+            ref = logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+            worst = max(worst, (ref - torch.tensor(s["logprobs"])).abs().max().item())
+    again = client.generate(prompts, n=4, sampling=sampling, seed=0)
+    same = [[s["output_ids"] for s in g] for g in groups] == [[s["output_ids"] for s in g] for g in again]
+    n_tok = sum(s["completion_tokens"] for g in groups for s in g)
+    print(f"{len(prompts)} prompts x 4 samples, {n_tok} tokens from {srv.url}; weight_version "
+          f"{groups[0][0]['weight_version']}; server vs forward logprobs max |diff| {worst:.2e}; "
+          f"same seeds, same tokens: {same}")
+    srv.close()
+    assert worst < 1e-4 and same, "self-check failed"
+    print(f"self-check passed in {time.time() - t0:.1f}s")

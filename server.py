@@ -1,0 +1,550 @@
+"""
+The embedded rollout server: the subset of SGLang's native HTTP API that the trainer uses, with SGLang's
+JSON shapes (../shared/docs/sglang_api.md), on the standard library's ThreadingHTTPServer. Generation is
+engine.py's: one scheduler thread runs engine.run_forever and batches whatever the handler threads submit.
+
+    python rollout.py --serve --model out/ckpt --port 30000 --dtype float32 --device cpu
+    srv = server.start(model_or_checkpoint_dir, port=0); srv.url; srv.close()     # in-process (trainer, tests)
+
+Not implemented: text prompts and stop strings (no tokenizer), streaming, input/top logprobs, penalties and
+constrained decoding (400 with a message), /update_weights_from_tensor (404).
+"""
+import hmac
+import json
+import math
+import os
+import select
+import signal
+import socket
+import threading
+import time
+import traceback
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+
+from engine import Engine, SamplingParams
+from model_dsv4 import canonical_name, from_pretrained, load_state_dict
+from rollout import init_weight_update_group
+
+MAX_BODY = 64 << 20  # bytes; a batch of 64 prompts x 4096 tokens is ~2 MB of JSON
+# sampling_params keys SGLang knows (api_types._FIELDS_SamplingParams): any other key is a 400, as there
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex",
+                 "ignore_eos", "n", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+                 "min_new_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty", "sampling_seed",
+                 "json_schema", "regex", "ebnf", "structural_tag", "choice", "logit_bias", "stream_interval",
+                 "custom_params", "beam_width", "watermark"}
+SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "n", "sampling_seed",
+             # these shape the detokenized text only, and there is none: accepted, no effect
+             "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
+NEUTRAL = {"repetition_penalty": 1, "beam_width": 1}  # else null, false, 0, "", [] or {} mean "off"
+# top-level fields that would ask for something we cannot give; other unknown fields are ignored, as SGLang does
+UNSUPPORTED = ["text", "input_embeds", "stream", "top_logprobs_num", "token_ids_logprob", "return_hidden_states",
+               "return_routed_experts", "return_sampling_mask", "return_prompt_token_ids", "session_params",
+               "session_id", "lora_path", "image_data", "video_data", "audio_data", "custom_logit_processor"]
+
+
+GET, POST = ("GET",), ("POST",)
+ENDPOINTS = {"generate": ("POST", "PUT"), "health": GET, "health_generate": GET, "model_info": GET,
+             "flush_cache": ("GET", "POST"), "pause_generation": POST, "continue_generation": POST,
+             "abort_request": POST, "begin_weight_update": POST, "end_weight_update": POST,
+             "update_weights_from_disk": POST, "init_weights_update_group": POST,
+             "update_weights_from_distributed": POST, "destroy_weights_update_group": POST,
+             "get_weights_by_name": ("GET", "POST"), "update_weight_version": POST}
+
+
+class BadRequest(Exception):
+    """An error answer: HTTP `status` with SGLang's body, {"error": {"message": ...}} unless given one."""
+    def __init__(self, message, status=400, payload=None):
+        super().__init__(message)
+        self.status, self.payload = status, payload
+
+
+def check(ok, message):
+    if not ok:
+        raise BadRequest(message)
+
+
+def fail(message):  # the weight-update endpoints answer failures as {"success": false, "message": ...}
+    raise BadRequest(message, payload={"success": False, "message": message})
+
+
+def group_name(body):
+    name = body.get("group_name", "weight_update_group")
+    check(isinstance(name, str), f"group_name must be a string, got {name!r}")
+    return name
+
+
+def is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def parse_json(raw):
+    """A request body -> dict ({} when empty). NaN and Infinity are not JSON, though Python's parser takes them."""
+    def not_json(constant):
+        raise ValueError(f"{constant} is not JSON")
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw, parse_constant=not_json)
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(f"malformed JSON: {e}")
+    check(isinstance(body, dict), "the request body must be a JSON object")
+    return body
+
+
+class Server:
+    """What the handler threads share: the model, the engine and its scheduler thread, the weight-update
+    session and process groups. One method per endpoint: (JSON body, handler) -> JSON-able answer."""
+
+    def __init__(self, model, model_path="", api_key=None, max_batch=64, max_len=4096):
+        self.model, self.model_path, self.api_key, self.max_len = model, model_path, api_key, max_len
+        self.engine = Engine(model, max_batch=max_batch, max_len=max_len)
+        self.vocab = self.engine.vocab_size
+        self.stop = threading.Event()
+        self.loop = threading.Thread(target=self.engine.run_forever, args=(self.stop,), daemon=True, name="scheduler")
+        self.admin = threading.Lock()  # one pause / weight update at a time
+        self.rids_lock, self.running_rids = threading.Lock(), set()
+        self.session, self.groups = False, {}
+        self.routes = {f"/{name}": (methods, getattr(self, name)) for name, methods in ENDPOINTS.items()}
+        self.routes["/get_model_info"] = self.routes["/model_info"]  # the older name, still in use
+
+    def close(self):
+        """Abort what is queued or running (its clients get "abort" answers or a 503), stop the scheduler."""
+        self.engine.abort_all()
+        self.stop.set()
+        self.loop.join(timeout=10)
+
+    # ------------------------------------------------------------------ /generate
+    def sampling(self, sp, prompt_len):
+        """One sampling_params object -> (engine SamplingParams, n); a 400 names the offending key."""
+        check(isinstance(sp, dict), f"sampling_params must be an object, got {sp!r}")
+        unknown = sorted(set(sp) - SAMPLING_KEYS)
+        check(not unknown, f"sampling_params: unknown key(s) {unknown}")
+        for k, v in sp.items():
+            check(k in SUPPORTED or v in (None, False, 0, "", [], {}) or v == NEUTRAL.get(k),
+                  f"sampling_params.{k}={v!r} is not supported by the embedded server (no tokenizer, no grammar "
+                  f"backend, no penalties): send token ids and stop_token_ids")
+        get = lambda k, default: default if sp.get(k) is None else sp[k]
+        T, top_p, top_k, n = get("temperature", 1.0), get("top_p", 1.0), get("top_k", -1), get("n", 1)
+        max_new, stop, seed = get("max_new_tokens", 128), get("stop_token_ids", []), sp.get("sampling_seed")
+        check(is_num(T) and T >= 0, f"sampling_params.temperature must be a number >= 0, got {T!r}")
+        check(is_num(top_p) and 0 < top_p <= 1, f"sampling_params.top_p must be in (0, 1], got {top_p!r}")
+        check(is_int(top_k) and (top_k == -1 or top_k >= 1), f"sampling_params.top_k must be -1 or >= 1, got {top_k!r}")
+        check(is_int(max_new) and max_new >= 0, f"sampling_params.max_new_tokens must be an int >= 0, got {max_new!r}")
+        check(is_int(n) and 1 <= n <= 1024, f"sampling_params.n must be an int in [1, 1024], got {n!r}")
+        check(isinstance(stop, list) and all(map(is_int, stop)), "sampling_params.stop_token_ids: a list of ints")
+        check(seed is None or is_int(seed) and 0 <= seed < 2 ** 63, f"sampling_params.sampling_seed must be an int "
+              f"in [0, 2^63), got {seed!r}")
+        check(isinstance(get("ignore_eos", False), bool), "sampling_params.ignore_eos must be a bool")
+        check(prompt_len + max_new <= self.max_len, f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) "
+              f"exceeds the server's max_len ({self.max_len})")
+        return SamplingParams(temperature=float(T), top_p=float(top_p), top_k=top_k, max_new_tokens=max_new,
+                              stop_token_ids=tuple(stop), ignore_eos=get("ignore_eos", False), seed=seed), n
+
+    def generate(self, body, handler):
+        asked = sorted(k for k in UNSUPPORTED if body.get(k) not in (None, False, 0, "", []))
+        check(not asked, f"not supported by the embedded server: {asked} (send input_ids; non-streaming; "
+              f"output token logprobs only)")
+        check(body.get("logprob_start_len", -1) in (-1, None), "logprob_start_len: only -1 (output only) is supported")
+        ids = body.get("input_ids")
+        batch = isinstance(ids, list) and len(ids) > 0 and all(isinstance(p, list) for p in ids)
+        prompts = ids if batch else [ids]
+        for p in prompts:
+            check(isinstance(p, list) and p and all(is_int(t) and 0 <= t < self.vocab for t in p),
+                  f"input_ids must be a non-empty list of token ids in [0, {self.vocab}), or a list of such lists")
+        B = len(prompts)
+        sps, lps, rids = body.get("sampling_params") or {}, body.get("return_logprob") or False, body.get("rid")
+        sps, lps = sps if isinstance(sps, list) else [sps] * B, lps if isinstance(lps, list) else [lps] * B
+        if rids is None:
+            rids = [uuid.uuid4().hex for _ in range(B)]
+        elif isinstance(rids, str):  # SGLang expands a batch's str rid to rid_i
+            rids = [f"{rids}_{i}" for i in range(B)] if batch else [rids]
+        check(len(sps) == B and len(lps) == B and all(isinstance(x, bool) for x in lps),
+              f"sampling_params / return_logprob: give one, or a list of {B}")
+        check(isinstance(rids, list) and all(isinstance(r, str) for r in rids) and len(set(rids)) == len(rids) == B,
+              f"rid: give a string, or a list of {B} distinct strings")
+        items = []  # (prompt, params, rid, return_logprob); n > 1 expands prompt-major with fresh rids, as SGLang
+        for p, sp, rid, lp in zip(prompts, sps, rids, lps):
+            params, n = self.sampling(sp, len(p))
+            items += [(p, params, rid if n == 1 else uuid.uuid4().hex, lp) for _ in range(n)]
+        rids = [rid for _, _, rid, _ in items]
+        with self.rids_lock:  # engine.abort(rid) must not hit someone else's request
+            taken = sorted(self.running_rids.intersection(rids))
+            check(not taken, f"rid(s) already running: {taken}")
+            self.running_rids.update(rids)
+        t0, reqs = time.time(), []
+        try:
+            for p, params, rid, _ in items:
+                reqs.append(self.engine.submit(p, params, rid) if params.max_new_tokens > 0 else None)
+            self.wait([r for r in reqs if r is not None], handler)
+        except BaseException:  # the client left, or the loop died: free the batch slots
+            for r in reqs:
+                if r is not None:
+                    self.engine.abort(r.rid)
+            raise
+        finally:
+            with self.rids_lock:
+                self.running_rids.difference_update(rids)
+        out = [self.response(rid, req, p, lp, t0) for (p, _, rid, lp), req in zip(items, reqs)]
+        return out if batch or len(out) > 1 else out[0]
+
+    def wait(self, reqs, handler):
+        """Until every request is done, or the client hung up (499: nothing is sent), or the scheduler thread
+        died (503 rather than a hang)."""
+        for req in reqs:
+            while not req.done.wait(0.25):
+                if not self.loop.is_alive():
+                    raise BadRequest("the scheduler loop is not running (see the server log)", 503)
+                if handler.client_gone():
+                    raise BadRequest("client disconnected", 499)
+
+    def response(self, rid, req, prompt, return_logprob, t0):
+        """SGLang's response layout (sglang_api.md §1.3); a max_new_tokens=0 item never reached the engine."""
+        ids = list(req.output_ids) if req else []
+        mi = {"id": rid, "finish_reason": req.finish_reason if req else {"type": "length", "length": 0},
+              "prompt_tokens": len(prompt), "completion_tokens": len(ids), "cached_tokens": 0, "reasoning_tokens": 0,
+              "weight_version": req.weight_version if req else self.engine.weight_version, "num_retractions": 0,
+              "e2e_latency": round(time.time() - t0, 4)}  # no weight_versions spans: the engine stamps one version
+        if return_logprob:
+            mi["input_token_logprobs"] = []
+            mi["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.output_logprobs if req else [], ids)]
+            mi["output_token_logprobs_length"] = len(ids)
+        return {"output_ids": ids, "meta_info": mi}
+
+    # ------------------------------------------------------------------ status and control
+    def health(self, body, handler):
+        if not self.loop.is_alive() or self.stop.is_set():  # starting or shutting down, as SGLang's 503
+            raise BadRequest("the scheduler loop is not running", 503)
+        return None
+
+    def health_generate(self, body, handler):
+        rid = f"health-{uuid.uuid4().hex}"
+        req = self.engine.submit([0], SamplingParams(max_new_tokens=1), rid)
+        if not req.done.wait(20):
+            self.engine.abort(rid)
+            raise BadRequest("no token within 20 s (paused, or the scheduler is stuck)", 503)
+        return None
+
+    def model_info(self, body, handler):
+        return {"model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": None,
+                "is_generation": True, "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
+                "load_format": "auto", "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]}
+
+    def flush_cache(self, body, handler):
+        check(self.engine.flush(), "Cache not flushed: requests are running or queued")
+        return "Cache flushed.\n"
+
+    def pause_generation(self, body, handler):
+        mode = body.get("mode", "abort")
+        check(mode in ("abort", "retract", "in_place"), f"mode must be abort, retract or in_place, got {mode!r}")
+        with self.admin:
+            if mode == "abort":  # let the loop finish the aborted requests (it does not step while paused)
+                self.engine.abort_all()
+                deadline = time.time() + 10
+                while not self.engine.flush() and time.time() < deadline:
+                    time.sleep(0.01)
+            # retract and in_place alike: requests keep their cache and resume as they were
+            self.engine.pause()
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self, body, handler):
+        with self.admin:
+            self.engine.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def abort_request(self, body, handler):
+        if body.get("abort_all"):
+            self.engine.abort_all()
+        elif isinstance(body.get("rid"), str) and body["rid"]:
+            self.engine.abort(body["rid"])
+        return None
+
+    # ------------------------------------------------------------------ weights
+    def begin_weight_update(self, body, handler):
+        with self.admin:
+            if self.session:
+                fail("a weight update session is already open: call end_weight_update() first")
+            self.session = True
+        return {"success": True, "message": "weight update session opened"}
+
+    def end_weight_update(self, body, handler):
+        with self.admin:
+            if not self.session:
+                fail("no weight update session is open: call begin_weight_update() first")
+            self.session = False
+        return {"success": True, "message": "weight update session closed"}
+
+    def checked(self, named, every):
+        """Names and shapes checked for all tensors before anything is copied, so that a failed update
+        leaves the old weights. `every`: a whole checkpoint must cover the model."""
+        expected = self.model.state_dict()
+        named = {canonical_name(k): v for k, v in named.items()}
+        unknown = sorted(set(named) - set(expected))
+        missing = sorted(set(expected) - set(named)) if every else []
+        shapes = [f"{k}: {tuple(v.shape)} vs model {tuple(expected[k].shape)}" for k, v in named.items()
+                  if k in expected and v.shape != expected[k].shape]
+        if unknown or missing or shapes:
+            raise ValueError(f"unknown names {unknown[:8]}, missing {missing[:8]}, mis-shaped {shapes[:8]}")
+        return named
+
+    def load(self, named, version, flush):
+        """Swap weights and version together: the loop is held (paused) so no request finishes in between
+        with new weights under the old version. engine.load_weights casts to the model's dtypes."""
+        check(version is None or isinstance(version, str), "weight_version must be a string")
+        with self.admin:
+            was_paused = self.engine.paused
+            self.engine.pause()
+            try:
+                self.engine.load_weights(named)
+                if version is not None:
+                    self.engine.weight_version = version
+            finally:
+                if not was_paused:
+                    self.engine.resume()
+        if flush and not self.engine.flush():  # as SGLang: the update went in, the call still fails
+            fail("Weights were updated, but the cache was not flushed: requests are running or queued "
+                 "(pause first, or pass flush_cache=false)")
+
+    def update_weights_from_disk(self, body, handler):
+        path = body.get("model_path")
+        check(isinstance(path, str) and path, "model_path (a checkpoint directory) is required")
+        try:
+            named = self.checked(load_state_dict(path), every=True)
+        except Exception as e:  # no such directory, unreadable file, a checkpoint of another shape
+            fail(f"failed to load {path}: {type(e).__name__}: {e}; the old weights are still in place")
+        if body.get("abort_all_requests", False):
+            self.engine.abort_all()
+        self.load(named, body.get("weight_version"), body.get("flush_cache", True))
+        return {"success": True, "message": f"loaded {len(named)} tensors from {path}", "num_paused_requests": 0}
+
+    def update_weight_version(self, body, handler):
+        version = body.get("new_version")
+        check(isinstance(version, str) and version, "new_version (a string) is required")
+        if body.get("abort_all_requests", True):  # SGLang's default
+            self.engine.abort_all()
+        self.load({}, version, flush=False)
+        return {"success": True, "message": f"weight version is now {version}", "new_version": version}
+
+    def get_weights_by_name(self, body, handler):
+        name, n = body.get("name"), body.get("truncate_size", 100)
+        check(isinstance(name, str) and is_int(n) and n >= 0, "name (a string) and truncate_size (an int >= 0)")
+        t = self.model.state_dict().get(canonical_name(name))
+        check(t is not None, f"no parameter named {name!r}")
+        return t[:n].float().tolist()  # as SGLang's tolist()[:n]: n elements of a 1-D tensor, n rows of a 2-D one
+
+    # ------------------------------------------------------------------ distributed weight sync (§2.2)
+    def init_weights_update_group(self, body, handler):
+        name, backend = group_name(body), body.get("backend", "nccl")
+        addr, port, offset, world = map(body.get, ("master_address", "master_port", "rank_offset", "world_size"))
+        check(isinstance(addr, str) and all(map(is_int, (port, offset, world))) and 0 < offset < world,
+              "master_address, master_port, rank_offset (>= 1: the trainer is rank 0) and world_size are required")
+        check(backend in ("gloo", "nccl"), f"backend must be gloo or nccl, got {backend!r}")
+        check(backend == "gloo" or self.engine.device.type == "cuda", "backend nccl needs the model on CUDA: use gloo")
+        with self.admin:
+            check(name not in self.groups, f"group {name!r} exists: destroy it first")
+            self.groups[name] = None  # reserved while we wait for the trainer
+        try:  # blocks until every rank has joined
+            self.groups[name] = (init_weight_update_group(addr, port, offset, world, name, backend), backend)
+        except Exception as e:
+            self.groups.pop(name, None)
+            fail(f"init_weights_update_group failed: {type(e).__name__}: {e}")
+        return {"success": True, "message": f"joined group {name!r} as rank {offset} of {world}"}
+
+    def update_weights_from_distributed(self, body, handler):
+        if not self.session:
+            fail("update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
+        name = group_name(body)
+        check(self.groups.get(name) is not None, f"no weight update group {name!r}: call init_weights_update_group")
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        check(all(isinstance(x, list) for x in (names, dtypes, shapes)) and len(names) == len(dtypes) == len(shapes),
+              "names, dtypes and shapes must be lists of the same length")
+        check(body.get("load_format") is None, "load_format: only null (one tensor per name) is supported")
+        dtypes = [getattr(torch, d, None) if isinstance(d, str) else None for d in dtypes]
+        check(all(isinstance(d, torch.dtype) for d in dtypes), "dtypes must be torch dtype names such as 'bfloat16'")
+        check(all(isinstance(s, list) and all(is_int(x) and x >= 0 for x in s) for s in shapes),
+              "shapes must be lists of non-negative ints")
+        group, backend = self.groups[name]
+        device = "cpu" if backend == "gloo" else self.engine.device
+        received = {}
+        for n, dt, shape in zip(names, dtypes, shapes):  # the trainer broadcasts in this same order
+            received[n] = torch.empty(shape, dtype=dt, device=device)
+            dist.broadcast(received[n], src=0, group=group)
+        try:  # checked only now: the broadcasts had to be received either way, or the trainer would hang
+            named = self.checked(received, every=False)
+        except ValueError as e:
+            fail(f"update_weights_from_distributed: {e}; the old weights are still in place")
+        if body.get("abort_all_requests", False):
+            self.engine.abort_all()
+        self.load(named, body.get("weight_version"), body.get("flush_cache", True))
+        return {"success": True, "message": f"updated {len(named)} tensors"}
+
+    def destroy_weights_update_group(self, body, handler):
+        name = group_name(body)
+        with self.admin:
+            entry = self.groups.get(name)
+            check(entry is not None, f"no weight update group {name!r}")
+            del self.groups[name]
+        dist.destroy_process_group(entry[0])
+        return {"success": True, "message": f"destroyed group {name!r}"}
+
+
+# -----------------------------------------------------------------------------
+# HTTP plumbing
+
+class Handler(BaseHTTPRequestHandler):
+    """One thread per connection (HTTP/1.0: one request each). Whatever a request does, it gets an answer,
+    and the server lives on."""
+    timeout = 120  # seconds a client may take to send its request: a stalled upload frees its thread
+
+    def do_GET(self):
+        self.dispatch("GET")
+
+    def do_POST(self):
+        self.dispatch("POST")
+
+    def do_PUT(self):
+        self.dispatch("PUT")
+
+    def log_message(self, *args):  # one line per request would drown the log; errors print their traceback
+        pass
+
+    def dispatch(self, method):
+        app, path = self.server.app, urlsplit(self.path).path
+        try:
+            # the body first: answering early and closing a socket that still holds unread bytes sends a
+            # reset, which can destroy the answer before the client reads it
+            raw = self.read_body()
+            # as SGLang: health checks are open (probes need no secret), everything else needs the key
+            auth = self.headers.get("Authorization", "")
+            if app.api_key and not path.startswith("/health") and not (
+                    auth[:7].lower() == "bearer " and hmac.compare_digest(auth[7:], app.api_key)):
+                raise BadRequest("Unauthorized", 401, {"error": "Unauthorized"})
+            if path not in app.routes:
+                raise BadRequest(f"no endpoint {path}", 404)
+            methods, endpoint = app.routes[path]
+            if method not in methods:
+                raise BadRequest(f"{path} takes {' or '.join(methods)}", 405)
+            status, payload = 200, endpoint(parse_json(raw), self)
+        except BadRequest as e:
+            status, payload = e.status, e.payload or {"error": {"message": str(e)}}
+        except Exception as e:  # a bug of ours: say so, keep serving
+            traceback.print_exc()
+            status, payload = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
+        if status != 499:
+            self.reply(status, payload)
+
+    def read_body(self):
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise BadRequest("chunked request bodies are not supported: send Content-Length", 411)
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise BadRequest(f"bad Content-Length {self.headers.get('Content-Length')!r}")
+        check(n >= 0, f"bad Content-Length {n}")
+        if n > MAX_BODY:  # answered unread, so a big body can cost no memory
+            raise BadRequest(f"request body of {n} bytes is over the {MAX_BODY}-byte limit", 413)
+        raw = self.rfile.read(n)
+        check(len(raw) == n, "request body cut short")
+        return raw
+
+    def reply(self, status, payload):
+        if isinstance(payload, str):
+            data, ctype = payload.encode(), "text/plain; charset=utf-8"
+        else:
+            data, ctype = (b"" if payload is None else json.dumps(payload).encode()), "application/json"
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client hung up: there is no one to tell
+            pass
+
+    def client_gone(self):
+        """True once the client has closed its end. A waiting client sends nothing more, so a readable socket
+        that reads EOF means it left."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+
+class HTTPServer(ThreadingHTTPServer):
+    request_queue_size = 1024  # the listen backlog: a burst of rollout requests must not be refused
+    daemon_threads = True
+
+    @property
+    def url(self):
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def close(self):
+        """Stop serving (call it from another thread than serve_forever's), then stop the scheduler."""
+        self.shutdown()
+        self.server_close()
+        self.app.close()
+
+
+def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None, api_key=None, max_batch=64,
+          max_len=4096, background=True):
+    """Serve a model_dsv4.Transformer, or a checkpoint directory loaded with from_pretrained. Returns the
+    HTTPServer (its .url, .close()), serving from a thread of its own, or not yet with background=False."""
+    path = model if isinstance(model, str) else ""
+    if path:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = from_pretrained(path, device=device, dtype=dtype)
+    httpd = HTTPServer((host, port), Handler)
+    httpd.app = Server(model, path, api_key, max_batch, max_len)
+    httpd.app.loop.start()
+    if background:
+        threading.Thread(target=httpd.serve_forever, daemon=True, name="http").start()
+    return httpd
+
+
+def exit_with(pid):
+    """Stop this process (as SIGTERM does) once process `pid` has exited. Our parent's exit shows at once (we
+    are re-parented, even while it is an unreaped zombie); any other process's once it is gone."""
+    child = os.getppid() == pid
+    while True:
+        time.sleep(1.0)
+        if child and os.getppid() != pid:
+            break
+        try:
+            os.kill(pid, 0)  # signal 0 only asks whether the process exists
+        except ProcessLookupError:
+            break
+        except PermissionError:  # it exists, and belongs to someone else
+            pass
+    signal.raise_signal(signal.SIGTERM)
+
+
+def serve(args):
+    """`python rollout.py --serve ...`: one ready line with the URL, then serve until Ctrl-C or SIGTERM."""
+    httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
+                  args.max_batch, args.max_len, background=False)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
+    if args.parent_pid:  # an embedded server outliving its trainer would hold the port and the memory
+        threading.Thread(target=exit_with, args=(args.parent_pid,), daemon=True, name="parent-watch").start()
+    print(f"rollout server ready at {httpd.url} (model {os.path.abspath(args.model)}, {args.dtype}, "
+          f"{httpd.app.engine.device}, pid {os.getpid()})", flush=True)
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+        httpd.app.close()
+        try:
+            print("rollout server stopped", flush=True)
+        except OSError:  # whoever read our stdout is gone (the parent that started us, say)
+            pass
