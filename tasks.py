@@ -23,7 +23,7 @@ class ByteTokenizer:
         return [b + 3 for b in text.encode("utf-8")]
 
     def decode(self, ids):
-        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")  # specials, ids past 258: nothing
 
 
 class HFTokenizer:

@@ -1,0 +1,447 @@
+"""
+GRPO post-training of DeepSeek-V4 on the hand-written PP/EP/DP trainer, with rollouts from SGLang or from the
+embedded server (rollout.py), which speaks the same HTTP API.
+
+    python train_grpo.py                                   # the default: tiny V4, toy task, CPU, ~10 minutes
+    torchrun --nproc_per_node=4 train_grpo.py config/cpu_tiny.py --pp_size=2 --ep_size=2
+    torchrun --nnodes=4 --nproc_per_node=8 ... train_grpo.py config/mi355x.py     # the seed run (README)
+
+One step: prompts (sharded over DP ranks) -> n samples each from the rollout servers -> rewards ->
+group-normalised advantages -> dynamic sampling -> pipelined training -> weight sync -> metrics -> eval -> checkpoint.
+
+Where this differs from the GRPO paper (Shao et al. 2024), each a common choice in current RL stacks:
+  - no KL penalty by default (kl_coef=0); when on, it is the k3 estimator against a frozen reference, in the loss;
+  - clip-higher (DAPO): the ratio is clipped to [1 - eps_low, 1 + eps_high] = [0.8, 1.28], not symmetric;
+  - advantages (r - mean) / (std + 1e-6) over the group, std skipped when zero (then all advantages are 0);
+  - dynamic sampling (DAPO): groups whose rewards are all equal are dropped, and more prompts are drawn to
+    refill the batch;
+  - the loss is aggregated as a per-sample token mean averaged over samples (default) or a token mean over all
+    tokens (DAPO), normalised by *global* counts so the layout does not change the result;
+  - truncated importance sampling (TIS) against the rollout engine's logprobs, weight min(pi_old/pi_rollout, cap),
+    corrects for the engine/trainer mismatch;
+  - one optimizer step per rollout by default (strictly on-policy: ratio 1 at the step), several with n_minibatches;
+  - the reward is 0/1 (eval_aime.math_reward, the same grader as evaluation), optionally with DAPO's overlong penalty.
+"""
+import atexit
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import parallel
+import weight_sync
+from eval_aime import evaluate, load_problems, math_reward, overlong_penalty
+from model_dsv4 import ModelArgs, load_weights
+from rollout import RolloutClient
+from tasks import format_warmup_batch, load_tokenizer, prompt_ids, toy_problems
+
+# -----------------------------------------------------------------------------
+# config: every default, then config/*.py and --key=value overrides (configurator.py)
+out_dir = 'out/default'
+seed = 1337
+max_steps = 60
+dry_run = False  # build the layout on the meta device, print the per-rank memory plan, exit
+# model
+init_from = 'scratch'  # 'scratch' (model_config) or a checkpoint directory with config.json + safetensors
+model_config = 'config/models/tiny.json'
+dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
+tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the toy task, else 'deepseek-v4'
+resume = False  # continue from the newest complete checkpoint in out_dir
+# parallel layout (tensor parallel is fixed at 1)
+pp_size = 1
+ep_size = 1
+pp_layers = ''  # e.g. '11,11,11,10'; '' = balanced
+n_microbatches = 4
+recompute = False
+optimizer_offload = False
+dist_timeout = 600  # seconds before a stuck collective fails
+# rollout
+rollout_url = ''  # '' = start the embedded server; else comma-separated SGLang URLs
+rollout_api_key = ''
+weight_sync_mode = 'disk'  # 'disk' | 'distributed' (weight_sync.py)
+rollout_quant = 'none'  # 'none' | 'fp8' | 'fp8_fp4': what the rollout engine serves
+rollout_max_batch = 64
+# data and sampling
+data = 'toy'  # 'toy', a .jsonl / .parquet path, or a hub dataset name
+eval_data = 'toy'
+n_prompts = 16  # groups per step (all DP ranks together)
+n_samples = 8  # samples per prompt
+max_prompt_len = 1024
+max_new_tokens = 12
+temperature = 1.0
+top_p = 1.0
+eval_temperature = 1.0
+eval_top_p = 1.0
+format_warmup_steps = 20  # toy task only: supervised steps on the answer *format* with random digits
+# GRPO
+lr = 1e-3
+lr_schedule = 'constant'  # 'constant' | 'cosine'
+warmup_steps = 0
+min_lr_ratio = 0.1
+weight_decay = 0.0
+grad_clip = 1.0
+eps_low = 0.2
+eps_high = 0.28
+tis_cap = 2.0  # 0 turns truncated importance sampling off
+kl_coef = 0.0
+entropy_coef = 0.0
+loss_agg = 'seq_mean_token_mean'  # | 'token_mean'
+n_minibatches = 1  # optimizer steps per rollout; > 1 recomputes the old-policy logprobs first
+dynamic_sampling = True
+max_sampling_rounds = 4  # rounds of over-sampling to refill the batch after dropping flat groups
+overlong_buffer = 0  # DAPO overlong penalty over the last overlong_buffer tokens (0 = off)
+overlong_factor = 1.0
+freeze_router = True  # the router gate stays as it was (RL recipes freeze it; its bias is never trained)
+# logging, eval, checkpoints
+eval_interval = 10
+eval_n_samples = 8
+eval_limit = 0  # 0 = every eval problem
+checkpoint_interval = 20
+keep_checkpoints = 2
+wandb_log = False
+wandb_project = 'nano-dsv4-rl'
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+try:
+    exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
+except ValueError as e:  # a bad key or type is a usage error: say it and exit 2
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+config = {k: globals()[k] for k in config_keys}
+
+# -----------------------------------------------------------------------------
+# distributed init
+grid = parallel.init_distributed(pp_size, ep_size, timeout_s=dist_timeout)
+master = grid.rank == 0
+is_logger = grid.is_last_stage and grid.dp_rank == 0  # the loss lives on the last stage
+print0 = lambda *a: print(*a, flush=True) if master else None
+torch.manual_seed(seed)
+random.seed(seed)
+ptype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
+ckpt_dirs = lambda: sorted(d for d in os.listdir(out_dir) if d.startswith('ckpt_') and not d.endswith('.tmp')) \
+    if os.path.isdir(out_dir) else []
+resume_dir = os.path.join(out_dir, ckpt_dirs()[-1]) if resume and ckpt_dirs() else None
+model_dir = resume_dir or (init_from if init_from != 'scratch' else None)
+args = ModelArgs.from_json(os.path.join(model_dir, 'config.json') if model_dir else model_config)
+split = [int(x) for x in pp_layers.split(',')] if pp_layers else None
+if dry_run:
+    world = int(os.environ.get('DRY_RUN_WORLD', 32))
+    micro = max(1, n_prompts * n_samples // (world // pp_size) // n_microbatches)
+    for r in parallel.memory_plan(args, pp_size, ep_size, world, micro, max_prompt_len + max_new_tokens, recompute,
+                                  n_microbatches, split):
+        print0(r)
+    sys.exit(0)
+print0(f"config: {json.dumps(config)}")
+print0(f"git: {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}"
+       f" | {grid}")
+
+# -----------------------------------------------------------------------------
+# model, optimizer
+print0(f"building the model ({'scratch' if not model_dir else model_dir}), {dtype}, pp {pp_size} ep {ep_size}")
+model = parallel.build_stage(args, grid, dtype=ptype, pp_layers=split, init=model_dir is None, seed=seed)
+if model_dir:
+    load_weights(model, model_dir, strict=False, device=grid.device)
+for name, p in model.named_parameters():  # MTP is not trained here; the router optionally frozen
+    p.requires_grad_(not name.startswith('mtp.') and not (freeze_router and name.endswith('gate.weight')))
+opt = parallel.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, offload=optimizer_offload)
+n_params = sum(p.numel() for p in model.parameters())
+print0(f"rank 0 holds {n_params / 1e6:.1f}M parameters")
+
+
+def lr_at(step):
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if lr_schedule == 'cosine':
+        t = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+        return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    return lr
+
+
+# -----------------------------------------------------------------------------
+# tokenizer, data
+tok = load_tokenizer(tokenizer or (model_dir if model_dir and os.path.exists(os.path.join(model_dir, 'tokenizer.json'))
+                                   else 'bytes' if data == 'toy' else 'deepseek-v4'))
+assert tok.vocab_size <= args.vocab_size, f"tokenizer vocab {tok.vocab_size} > model vocab {args.vocab_size}"
+problems = toy_problems() if data == 'toy' else load_problems(data)
+eval_problems = toy_problems() if eval_data == 'toy' else load_problems(eval_data, split='test')
+eval_problems = eval_problems[:eval_limit] if eval_limit else eval_problems
+order = list(range(len(problems)))
+random.Random(seed).shuffle(order)
+my_stream = order[grid.dp_rank::grid.dp_size]  # this DP rank's prompts, in order, cycled
+cursor = 0  # position in my_stream (saved in checkpoints)
+encode = lambda p: prompt_ids(tok, p['prompt'])[-max_prompt_len:]
+
+# -----------------------------------------------------------------------------
+# rollout servers: the given URLs, or the embedded server started here (stopped on exit, crash included)
+sync_dir = os.path.join(out_dir, 'weights')
+os.makedirs(out_dir, exist_ok=True)
+server = None
+if not rollout_url:
+    weight_sync.save_weights(model, grid, sync_dir, args)  # the server starts from the trainer's weights
+    if master:
+        with socket.socket() as s:
+            s.bind(('127.0.0.1', 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'rollout.py'), '--serve',
+               '--model', sync_dir, '--port', str(port), '--dtype', dtype, '--max-batch', str(rollout_max_batch),
+               '--max-len', str(max_prompt_len + max_new_tokens), '--parent-pid', str(os.getpid())]
+        print0(f"starting the embedded rollout server: {' '.join(cmd)}")
+        server = subprocess.Popen(cmd, start_new_session=True)
+        atexit.register(lambda: server.poll() is None and server.kill())
+        rollout_url = f"http://127.0.0.1:{port}"
+    box = [rollout_url]
+    if grid.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    rollout_url = box[0]
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run atexit (stop the server) on SIGTERM too
+client = RolloutClient(rollout_url, api_key=rollout_api_key or None)
+client.wait_ready(timeout=600)
+print0(f"rollout servers ready: {rollout_url}")
+weight_version = 0
+
+
+# -----------------------------------------------------------------------------
+# GRPO: rollouts, advantages, dynamic sampling, the token loss
+
+def rollout_groups(step):
+    """This DP rank's groups for the step: n samples per prompt, rewarded; flat groups dropped and refilled."""
+    global cursor
+    quota, kept, stats = n_prompts // grid.dp_size, [], dict(groups=0, kept=0, samples=[])
+    for rnd in range(max_sampling_rounds if dynamic_sampling else 1):
+        take = [problems[my_stream[(cursor + i) % len(my_stream)]] for i in range(quota - len(kept))]
+        cursor += len(take)
+        outs = client.generate([encode(p) for p in take], n_samples, dict(
+            temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens),
+            seed=hash((seed, step, rnd, grid.dp_rank)) % 2**31, desc=f"step {step} rollout")
+        for p, samples in zip(take, outs):
+            for s in samples:
+                s['reward'] = math_reward(tok.decode(s['output_ids']), p['answer'])
+                s['correct'] = s['reward']
+                if overlong_buffer:
+                    s['reward'] += overlong_penalty(len(s['output_ids']), max_new_tokens, overlong_buffer, overlong_factor)
+            r = torch.tensor([s['reward'] for s in samples])
+            stats['groups'] += 1
+            stats['samples'] += samples
+            if dynamic_sampling and r.std() == 0:
+                continue  # every sample scored the same: no signal for GRPO
+            adv = (r - r.mean()) / (r.std() + 1e-6) if r.std() > 0 else torch.zeros_like(r)
+            kept.append((encode(p), samples, adv.tolist()))
+        if len(kept) >= quota:
+            break
+    stats['kept'] = len(kept)
+    return kept, stats
+
+
+def make_microbatches(groups, n_micro, norm):
+    """Samples -> right-padded micro-batches with everything the last stage's loss needs, per position t
+    (logits at t score token t+1): the response mask, advantage, rollout logprob and the loss weight."""
+    samples = [(prompt, s, a) for prompt, ss, advs in groups for s, a in zip(ss, advs)]
+    out = []
+    for chunk in [samples[i::n_micro] for i in range(n_micro)]:
+        T = max(len(p) + len(s['output_ids']) for p, s, _ in chunk)
+        mb = {k: torch.zeros(len(chunk), T, dtype=d) for k, d in (('input_ids', torch.long), ('tgt', torch.long),
+              ('mask', torch.bool), ('adv', torch.float32), ('rollout_lp', torch.float32), ('weight', torch.float32),
+              ('first', torch.bool))}
+        for b, (p, s, a) in enumerate(chunk):
+            ids, P, R = p + s['output_ids'], len(p), len(s['output_ids'])
+            mb['input_ids'][b, :len(ids)] = torch.tensor(ids)
+            mb['tgt'][b, :len(ids) - 1] = torch.tensor(ids[1:])
+            sl = slice(P - 1, P - 1 + R)
+            mb['mask'][b, sl], mb['adv'][b, sl] = True, a
+            mb['rollout_lp'][b, sl] = torch.tensor(s['logprobs'])
+            mb['weight'][b, sl] = 1.0 / norm if loss_agg == 'token_mean' else 1.0 / (R * norm)
+            mb['first'][b, P - 1] = True
+        out.append({k: v.to(grid.device) for k, v in mb.items()})
+    return out
+
+
+def token_logprobs(logits, mb):
+    return logits.log_softmax(-1).gather(-1, mb['tgt'][..., None])[..., 0]
+
+
+def grpo_loss(logits, mb):
+    """RESEARCH: the clipped policy-gradient token loss, with TIS, optional k3 KL and entropy bonus."""
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, mb['tgt'][..., None])[..., 0]
+    m = mb['mask']
+    old = mb['old_lp'] if 'old_lp' in mb else logp.detach()
+    ratio = torch.exp((logp - old).clamp(-20, 20))
+    pg1, pg2 = -mb['adv'] * ratio, -mb['adv'] * ratio.clamp(1 - eps_low, 1 + eps_high)
+    tok_loss = torch.maximum(pg1, pg2)
+    tis = (old - mb['rollout_lp']).exp().clamp(max=tis_cap) if tis_cap > 0 else torch.ones_like(old)
+    tok_loss = tok_loss * tis.detach()
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    if entropy_coef:
+        tok_loss = tok_loss + entropy_coef * (logp_all.exp() * logp_all).sum(-1)
+    if kl_coef:
+        d = mb['ref_lp'] - logp
+        tok_loss = tok_loss + kl_coef * (d.exp() - d - 1)
+    loss = (tok_loss * mb['weight'] * m).sum()
+    diff = (old - mb['rollout_lp']).abs() * m
+    return loss, {'n_tok': m.sum(), 'clip': ((pg2 > pg1) & m).sum(), 'kl': ((old - logp.detach()) * m).sum(),
+                  'entropy': (entropy * m).sum(), 'lp_diff': diff.sum(), 'lp_diff_max': diff.max(),
+                  'lp_diff_first': (diff * mb['first']).sum(), 'n_first': mb['first'].sum(), 'tis': (tis * m).sum()}
+
+
+def reduce_metrics(m):
+    """Sum the last stages' metrics over DP (max for maxima); returns means per token / sample."""
+    keys = sorted(k for k in m if k not in ('grad_norm', 'skipped'))
+    t = torch.tensor([float(m.get(k, 0.0)) for k in keys], device=grid.device)
+    mx = torch.tensor([float(m.get('lp_diff_max', 0.0))], device=grid.device)
+    parallel.all_reduce(t, grid.dp_group, 'metrics')
+    parallel.all_reduce(mx, grid.dp_group, 'metrics max', op=dist.ReduceOp.MAX)
+    s = dict(zip(keys, t.tolist()))
+    n = max(s.get('n_tok', 0), 1)
+    return {'loss': s.get('loss', 0), 'pg_clipfrac': s.get('clip', 0) / n, 'approx_kl': s.get('kl', 0) / n,
+            'entropy': s.get('entropy', 0) / n, 'logprob_abs_diff': s.get('lp_diff', 0) / n,
+            'logprob_abs_diff_max': mx.item(), 'logprob_abs_diff_first': s.get('lp_diff_first', 0) / max(s.get('n_first', 0), 1),
+            'tis_mean': s.get('tis', 0) / n, 'train_tokens': s.get('n_tok', 0)}
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: official-name safetensors + per-rank optimizer/RNG/cursor; written to a .tmp dir, then renamed
+
+def save_checkpoint(step):
+    final = os.path.join(out_dir, f'ckpt_{step:06d}')
+    tmp = final + '.tmp'
+    weight_sync.save_weights(model, grid, tmp, args)
+    torch.save({'opt': opt.state_dict(), 'cursor': cursor, 'torch_rng': torch.get_rng_state(), 'step': step,
+                'py_rng': list(random.getstate()[1]), 'weight_version': weight_version},
+               os.path.join(tmp, f'trainer_rank{grid.rank:05d}-of-{grid.world_size:05d}.pt'))
+    if grid.world_size > 1:
+        dist.barrier()
+    if master:
+        json.dump({'step': step, 'config': config}, open(os.path.join(tmp, 'meta.json'), 'w'), indent=1)
+        os.replace(tmp, final)
+        for old in ckpt_dirs()[:-keep_checkpoints]:
+            shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
+    if grid.world_size > 1:
+        dist.barrier()
+
+
+start_step = 0
+if resume_dir:
+    st = torch.load(os.path.join(resume_dir, f'trainer_rank{grid.rank:05d}-of-{grid.world_size:05d}.pt'),
+                    weights_only=True)
+    opt.load_state_dict(st['opt'])
+    cursor, start_step, weight_version = st['cursor'], st['step'] + 1, st['weight_version']
+    torch.set_rng_state(st['torch_rng'])
+    random.setstate((3, tuple(st['py_rng']), None))
+    print0(f"resumed from {resume_dir} at step {start_step}")
+
+# -----------------------------------------------------------------------------
+# wandb (optional) and the format warm-up of the toy task
+if wandb_log and is_logger:
+    import wandb
+    wandb.init(project=wandb_project, config=config, dir=out_dir, mode=None if os.environ.get('WANDB_API_KEY') else 'offline')
+
+
+def sync_weights():
+    """Push the trainer's weights to every rollout server; the next rollouts carry the new version."""
+    global weight_version
+    weight_version += 1
+    return weight_sync.sync(model, grid, client, args, sync_dir, mode=weight_sync_mode, version=str(weight_version))
+
+
+if data == 'toy' and format_warmup_steps and start_step == 0:
+    rng = random.Random(seed + grid.dp_rank)
+    print0(f"format warm-up: {format_warmup_steps} supervised steps on 'Answer: <random digit>' (teaches the format, not sums)")
+    for i in range(format_warmup_steps):
+        pairs = format_warmup_batch(tok, [problems[j] for j in rng.sample(range(len(problems)), 16)], rng)
+        groups = [(p, [{'output_ids': r, 'logprobs': [0.0] * len(r)}], [1.0]) for p, r in pairs]
+        norm = parallel.all_reduce(torch.tensor(float(len(pairs) * grid.dp_size)), None, 'none')
+        mbs = make_microbatches(groups, 2, float(norm))
+        m = parallel.train_step(model, grid, opt, mbs, lambda lg, mb: -(token_logprobs(lg, mb) * mb['weight'] * mb['mask']).sum(),
+                                grad_clip, recompute=recompute)
+    sync_weights()
+elif resume_dir or model_dir:
+    sync_weights()  # the servers may hold other weights than the ones we continue from
+
+# -----------------------------------------------------------------------------
+# the loop
+for step in range(start_step, max_steps):
+    t0 = time.time()
+    groups, rstats = rollout_groups(step) if grid.pp_rank == 0 else (None, None)
+    box = [(groups, rstats)]
+    if grid.pp_size > 1:  # every stage of a DP replica trains on the same samples
+        dist.broadcast_object_list(box, src=grid.rank - grid.pp_rank * grid.dp_size, group=grid.pp_group)
+    groups, rstats = box[0]
+    n_keep = int(parallel.all_reduce(torch.tensor(float(len(groups)), device=grid.device), grid.dp_group, 'kept groups',
+                                     op=dist.ReduceOp.MIN))
+    groups = groups[:n_keep]  # every DP rank trains on the same number of samples
+    t_roll = time.time() - t0
+    rec = {'step': step, 'lr': lr_at(step), 'weight_version': weight_version}
+    samples = rstats['samples']
+    rw = torch.tensor([s['reward'] for s in samples])
+    lens = torch.tensor([float(len(s['output_ids'])) for s in samples])
+    roll = torch.tensor([rw.sum(), (rw ** 2).sum(), sum(s['correct'] for s in samples), len(samples), lens.sum(),
+                         lens.max(), sum(s['finish_reason']['type'] == 'length' for s in samples), rstats['groups'],
+                         rstats['kept'], sum(s['weight_version'] != str(weight_version) for s in samples)],
+                        device=grid.device, dtype=torch.float64)
+    parallel.all_reduce(roll, grid.dp_group, 'rollout metrics')
+    n = roll[3].item()
+    rec.update(reward_mean=roll[0].item() / n, reward_std=math.sqrt(max(roll[1].item() / n - (roll[0].item() / n) ** 2, 0)),
+               accuracy=roll[2].item() / n, response_len_mean=roll[4].item() / n, response_len_max=lens.max().item(),
+               truncation_rate=roll[6].item() / n, kept_group_ratio=roll[8].item() / max(roll[7].item(), 1),
+               stale_samples=int(roll[9].item()))
+    t1 = time.time()
+    if n_keep == 0:
+        rec.update(skipped='no group with reward spread')
+    else:
+        for g in opt.param_groups:
+            g['lr'] = rec['lr']
+        n_micro = min(n_microbatches, n_keep * n_samples)
+        norm_local = sum(len(s['output_ids']) for _, ss, _ in groups for s in ss) if loss_agg == 'token_mean' else n_keep * n_samples
+        norm = float(parallel.all_reduce(torch.tensor(float(norm_local), device=grid.device), grid.dp_group, 'loss norm'))
+        for mini in range(n_minibatches):
+            part = groups[mini::n_minibatches] if n_minibatches > 1 else groups
+            mbs = make_microbatches(part, min(n_micro, len(part) * n_samples), norm / n_minibatches)
+            if n_minibatches > 1:  # the old policy's logprobs, before any of this rollout's updates
+                for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, token_logprobs) or [None] * len(mbs)):
+                    if lp is not None:
+                        mb['old_lp'] = lp
+            m = parallel.train_step(model, grid, opt, mbs, grpo_loss, grad_clip, recompute=recompute)
+            rec['grad_norm'] = m['grad_norm']
+        rec.update(reduce_metrics(m) if grid.is_last_stage else {})
+    t2 = time.time()
+    sync_weights()
+    t3 = time.time()
+    rec.update(t_rollout=t_roll, t_train=t2 - t1, t_sync=t3 - t2, weight_version=weight_version,
+               rollout_tok_s=roll[4].item() / max(t_roll, 1e-9), train_tok_s=rec.get('train_tokens', 0) / max(t2 - t1, 1e-9))
+    if eval_interval and (step + 1) % eval_interval == 0 and master:
+        ev = evaluate(client, tok, eval_problems, eval_n_samples, dict(temperature=eval_temperature, top_p=eval_top_p,
+                      max_new_tokens=max_new_tokens), seed=seed + step, chat=data != 'toy')
+        rec.update({f'eval_{k}': v for k, v in ev.items() if k != 'per_problem'})
+    if eval_interval and (step + 1) % eval_interval == 0 and grid.world_size > 1:
+        box = [{k: v for k, v in rec.items() if k.startswith('eval_')}]
+        dist.broadcast_object_list(box, src=0)
+        rec.update(box[0])
+    if is_logger:
+        print(f"step {step:05d}/{max_steps} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
+              f"len {rec['response_len_mean']:.1f} | kept {rec['kept_group_ratio']:.2f} | loss {rec.get('loss', 0):+.4f} | "
+              f"clip {rec.get('pg_clipfrac', 0):.3f} | kl {rec.get('approx_kl', 0):+.1e} | ent {rec.get('entropy', 0):.2f} | "
+              f"|dlp| {rec.get('logprob_abs_diff', 0):.1e} | gnorm {rec.get('grad_norm', 0):.2f} | "
+              f"t_roll {t_roll:.1f}s t_train {t2 - t1:.1f}s t_sync {t3 - t2:.1f}s"
+              + (f" | eval pass@1 {rec['eval_pass@1']:.3f}" if 'eval_pass@1' in rec else ''), flush=True)
+        with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
+            f.write(json.dumps(rec) + '\n')
+        if wandb_log:
+            wandb.log(rec, step=step)
+    if checkpoint_interval and ((step + 1) % checkpoint_interval == 0 or step + 1 == max_steps):
+        save_checkpoint(step)
+
+# -----------------------------------------------------------------------------
+# cleanup
+if grid.world_size > 1:
+    dist.barrier()
+    dist.destroy_process_group()
+print0("done")
