@@ -235,8 +235,8 @@ def _forward(model, grid, x, mb, loss_fn, recompute, metrics):
     loss = loss_fn(out, mb)
     if isinstance(loss, tuple):  # (loss, {name: value}) -> metrics summed over micro-batches
         loss, extra = loss
-        for k, v in extra.items():
-            metrics[k] = metrics.get(k, 0.0) + float(v)
+        for k, v in extra.items():  # summed over micro-batches; names ending in _max take the max
+            metrics[k] = max(metrics.get(k, 0.0), float(v)) if k.endswith("_max") else metrics.get(k, 0.0) + float(v)
     metrics["loss"] = metrics.get("loss", 0.0) + loss.item()
     return loss
 
@@ -433,23 +433,29 @@ def memory_plan(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, 
     return rows
 
 
+def plan_table(args, pp_size, ep_size, world, micro, seq, recompute, n_microbatches, gpu_gb=288, pp_layers=None):
+    """The memory plan as a markdown table, with a line saying what it assumes."""
+    rows = memory_plan(args, pp_size, ep_size, world, micro, seq, recompute, n_microbatches, pp_layers)
+    lines = [f"Memory plan, computed on the meta device (not run): {world} GPUs of {gpu_gb:.0f} GB, pp {pp_size} x "
+             f"dp {world // pp_size}, ep {ep_size}, micro-batch {micro} x {seq} tokens, {n_microbatches} micro-batches, "
+             f"recompute {recompute}.", "",
+             "| stage | layers | params per rank | weights GB | grads GB | fp32 master + Adam GB | activations GB "
+             "| GPU total GB | GPU total GB, optimizer offloaded |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = 2 * r["weights"] + r["act"]
+        lines.append(f"| {r['stage']} | {r['layers']} | {r['params'] / 1e9:.2f}B | {r['weights']:.1f} | {r['weights']:.1f} "
+                     f"| {r['optim']:.1f} | {r['act']:.1f} | {base + r['optim']:.1f} | {base:.1f} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__" and "--plan" in sys.argv:
+    # python parallel.py --plan config/mi355x.py [--world=32] [--gpu_gb=288]: the same table as
+    # train_grpo.py config/mi355x.py --dry_run=True, without the trainer's imports
     opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
     cfg = {}
     exec(open(sys.argv[sys.argv.index("--plan") + 1]).read(), cfg)
-    args = ModelArgs.from_json(cfg["model_config"])
-    world, gpu_gb = int(opts.get("world", 32)), float(opts.get("gpu_gb", 288))
-    dp = world // cfg["pp_size"]
-    micro = max(1, cfg["n_prompts"] * cfg["n_samples"] // dp // cfg["n_microbatches"])
-    seq = cfg["max_prompt_len"] + cfg["max_new_tokens"]
-    rows = memory_plan(args, cfg["pp_size"], cfg["ep_size"], world, micro, seq, cfg["recompute"], cfg["n_microbatches"])
-    print(f"Memory plan, computed on the meta device (not run): {cfg['model_config']} on {world} GPUs of {gpu_gb:.0f} GB, "
-          f"pp {cfg['pp_size']} x dp {dp}, ep {cfg['ep_size']}, micro-batch {micro} x {seq} tokens, "
-          f"{cfg['n_microbatches']} micro-batches, recompute {cfg['recompute']}.\n")
-    print("| stage | layers | params per rank | weights GB | grads GB | fp32 master + Adam GB | activations GB "
-          "| GPU total GB | GPU total GB, optimizer offloaded |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        base = 2 * r["weights"] + r["act"]
-        print(f"| {r['stage']} | {r['layers']} | {r['params'] / 1e9:.2f}B | {r['weights']:.1f} | {r['weights']:.1f} "
-              f"| {r['optim']:.1f} | {r['act']:.1f} | {base + r['optim']:.1f} | {base:.1f} |")
+    world = int(opts.get("world", 32))
+    micro = max(1, cfg["n_prompts"] * cfg["n_samples"] // (world // cfg["pp_size"]) // cfg["n_microbatches"])
+    print(plan_table(ModelArgs.from_json(cfg["model_config"]), cfg["pp_size"], cfg["ep_size"], world, micro,
+                     cfg["max_prompt_len"] + cfg["max_new_tokens"], cfg["recompute"], cfg["n_microbatches"],
+                     float(opts.get("gpu_gb", 288))))

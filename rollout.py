@@ -137,16 +137,19 @@ class RolloutClient:
         return RuntimeError(f"rollout servers unreachable: {what}; last error per server:{lines}")
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts, n, sampling, seed, desc="rollout"):
+    def generate(self, prompts, n, sampling, seed, desc="rollout", prompt_keys=None):
         """n samples for each prompt (a list of token ids) -> [prompt][sample] dicts with output_ids, logprobs,
         finish_reason, weight_version, prompt_tokens, completion_tokens and url.
         Group sampling is n separate requests per prompt (SGLang's own n > 1 would replace our rids), each
-        with its own sampling_seed from (seed, prompt index, sample index). A plain function: it runs its
-        own asyncio loop, so it cannot be called from inside a running one."""
+        with its own sampling_seed from (seed, prompt key, sample index); the key is the prompt's index here
+        unless prompt_keys names it (the trainer passes global prompt indices, so samples do not depend on how
+        prompts were split over DP ranks). A plain function: it runs its own asyncio loop, so it cannot be
+        called from inside a running one."""
         if sampling.get("n", 1) != 1:
             raise ValueError("sampling['n'] must stay 1: pass n to generate() instead")
         params, tag = {**DEFAULT_SAMPLING, **sampling}, f"{desc}-{uuid.uuid4().hex[:8]}"
-        bodies = [{"input_ids": list(p), "sampling_params": {**params, "sampling_seed": sample_seed(seed, i, j)},
+        keys = prompt_keys if prompt_keys is not None else list(range(len(prompts)))
+        bodies = [{"input_ids": list(p), "sampling_params": {**params, "sampling_seed": sample_seed(seed, keys[i], j)},
                    "return_logprob": True, "rid": f"{tag}-{i}-{j}"} for i, p in enumerate(prompts) for j in range(n)]
         if not any(self.health().values()):
             raise self._unreachable("no server passed GET /health")

@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 
 import parallel
-import weight_sync
+import weight_sync as wsync
 from eval_aime import evaluate, load_problems, math_reward, overlong_penalty
+from grpo import group_advantages, grpo_loss, keep_group, make_microbatches, token_logprobs
 from model_dsv4 import ModelArgs, load_weights
 from rollout import RolloutClient
 from tasks import format_warmup_batch, load_tokenizer, prompt_ids, toy_problems
@@ -67,7 +68,7 @@ dist_timeout = 600  # seconds before a stuck collective fails
 # rollout
 rollout_url = ''  # '' = start the embedded server; else comma-separated SGLang URLs
 rollout_api_key = ''
-weight_sync_mode = 'disk'  # 'disk' | 'distributed' (weight_sync.py)
+weight_sync = 'disk'  # 'disk' | 'distributed' | 'tensor' (weight_sync.py)
 rollout_quant = 'none'  # 'none' | 'fp8' | 'fp8_fp4': what the rollout engine serves
 rollout_max_batch = 64
 # data and sampling
@@ -119,6 +120,19 @@ config = {k: globals()[k] for k in config_keys}
 
 # -----------------------------------------------------------------------------
 # distributed init
+ckpt_dirs = lambda: sorted(d for d in os.listdir(out_dir) if d.startswith('ckpt_') and not d.endswith('.tmp')) \
+    if os.path.isdir(out_dir) else []
+resume_dir = os.path.join(out_dir, ckpt_dirs()[-1]) if resume and ckpt_dirs() else None
+model_dir = resume_dir or (init_from if init_from != 'scratch' else None)
+args = ModelArgs.from_json(os.path.join(model_dir, 'config.json') if model_dir and os.path.isdir(model_dir)
+                           else model_config)
+split = [int(x) for x in pp_layers.split(',')] if pp_layers else None
+if dry_run:  # the layout of the whole job on the meta device, no hardware: WORLD_SIZE or 32 GPUs
+    world = int(os.environ.get('DRY_RUN_WORLD', os.environ.get('WORLD_SIZE', 32)))
+    micro = max(1, n_prompts * n_samples // (world // pp_size) // n_microbatches)
+    print(parallel.plan_table(args, pp_size, ep_size, world, micro, max_prompt_len + max_new_tokens, recompute,
+                              n_microbatches, pp_layers=split))
+    sys.exit(0)
 grid = parallel.init_distributed(pp_size, ep_size, timeout_s=dist_timeout)
 master = grid.rank == 0
 is_logger = grid.is_last_stage and grid.dp_rank == 0  # the loss lives on the last stage
@@ -126,19 +140,6 @@ print0 = lambda *a: print(*a, flush=True) if master else None
 torch.manual_seed(seed)
 random.seed(seed)
 ptype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
-ckpt_dirs = lambda: sorted(d for d in os.listdir(out_dir) if d.startswith('ckpt_') and not d.endswith('.tmp')) \
-    if os.path.isdir(out_dir) else []
-resume_dir = os.path.join(out_dir, ckpt_dirs()[-1]) if resume and ckpt_dirs() else None
-model_dir = resume_dir or (init_from if init_from != 'scratch' else None)
-args = ModelArgs.from_json(os.path.join(model_dir, 'config.json') if model_dir else model_config)
-split = [int(x) for x in pp_layers.split(',')] if pp_layers else None
-if dry_run:
-    world = int(os.environ.get('DRY_RUN_WORLD', 32))
-    micro = max(1, n_prompts * n_samples // (world // pp_size) // n_microbatches)
-    for r in parallel.memory_plan(args, pp_size, ep_size, world, micro, max_prompt_len + max_new_tokens, recompute,
-                                  n_microbatches, split):
-        print0(r)
-    sys.exit(0)
 print0(f"config: {json.dumps(config)}")
 print0(f"git: {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}"
        f" | {grid}")
@@ -185,7 +186,7 @@ sync_dir = os.path.join(out_dir, 'weights')
 os.makedirs(out_dir, exist_ok=True)
 server = None
 if not rollout_url:
-    weight_sync.save_weights(model, grid, sync_dir, args)  # the server starts from the trainer's weights
+    wsync.save_weights(model, grid, sync_dir, args)  # the server starts from the trainer's weights
     if master:
         with socket.socket() as s:
             s.bind(('127.0.0.1', 0))
@@ -216,80 +217,29 @@ def rollout_groups(step):
     global cursor
     quota, kept, stats = n_prompts // grid.dp_size, [], dict(groups=0, kept=0, samples=[])
     for rnd in range(max_sampling_rounds if dynamic_sampling else 1):
-        take = [problems[my_stream[(cursor + i) % len(my_stream)]] for i in range(quota - len(kept))]
+        pos = [cursor + i for i in range(quota - len(kept))]  # positions in this rank's stream
+        take = [problems[my_stream[i % len(my_stream)]] for i in pos]
         cursor += len(take)
+        # seeds from (seed, step, the prompt's position in the global stream): the same samples for any layout
         outs = client.generate([encode(p) for p in take], n_samples, dict(
-            temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens),
-            seed=hash((seed, step, rnd, grid.dp_rank)) % 2**31, desc=f"step {step} rollout")
+            temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens), seed=seed * 100003 + step,
+            desc=f"step {step} rollout", prompt_keys=[i * grid.dp_size + grid.dp_rank for i in pos])
         for p, samples in zip(take, outs):
             for s in samples:
                 s['reward'] = math_reward(tok.decode(s['output_ids']), p['answer'])
                 s['correct'] = s['reward']
                 if overlong_buffer:
                     s['reward'] += overlong_penalty(len(s['output_ids']), max_new_tokens, overlong_buffer, overlong_factor)
-            r = torch.tensor([s['reward'] for s in samples])
+            rewards = [s['reward'] for s in samples]
             stats['groups'] += 1
             stats['samples'] += samples
-            if dynamic_sampling and r.std() == 0:
-                continue  # every sample scored the same: no signal for GRPO
-            adv = (r - r.mean()) / (r.std() + 1e-6) if r.std() > 0 else torch.zeros_like(r)
-            kept.append((encode(p), samples, adv.tolist()))
+            if dynamic_sampling and not keep_group(rewards):
+                continue
+            kept.append((encode(p), samples, group_advantages(rewards)))
         if len(kept) >= quota:
             break
     stats['kept'] = len(kept)
     return kept, stats
-
-
-def make_microbatches(groups, n_micro, norm):
-    """Samples -> right-padded micro-batches with everything the last stage's loss needs, per position t
-    (logits at t score token t+1): the response mask, advantage, rollout logprob and the loss weight."""
-    samples = [(prompt, s, a) for prompt, ss, advs in groups for s, a in zip(ss, advs)]
-    out = []
-    for chunk in [samples[i::n_micro] for i in range(n_micro)]:
-        T = max(len(p) + len(s['output_ids']) for p, s, _ in chunk)
-        mb = {k: torch.zeros(len(chunk), T, dtype=d) for k, d in (('input_ids', torch.long), ('tgt', torch.long),
-              ('mask', torch.bool), ('adv', torch.float32), ('rollout_lp', torch.float32), ('weight', torch.float32),
-              ('first', torch.bool))}
-        for b, (p, s, a) in enumerate(chunk):
-            ids, P, R = p + s['output_ids'], len(p), len(s['output_ids'])
-            mb['input_ids'][b, :len(ids)] = torch.tensor(ids)
-            mb['tgt'][b, :len(ids) - 1] = torch.tensor(ids[1:])
-            sl = slice(P - 1, P - 1 + R)
-            mb['mask'][b, sl], mb['adv'][b, sl] = True, a
-            mb['rollout_lp'][b, sl] = torch.tensor(s['logprobs'])
-            mb['weight'][b, sl] = 1.0 / norm if loss_agg == 'token_mean' else 1.0 / (R * norm)
-            mb['first'][b, P - 1] = True
-        out.append({k: v.to(grid.device) for k, v in mb.items()})
-    return out
-
-
-def token_logprobs(logits, mb):
-    return logits.log_softmax(-1).gather(-1, mb['tgt'][..., None])[..., 0]
-
-
-def grpo_loss(logits, mb):
-    """RESEARCH: the clipped policy-gradient token loss, with TIS, optional k3 KL and entropy bonus."""
-    logp_all = logits.log_softmax(-1)
-    logp = logp_all.gather(-1, mb['tgt'][..., None])[..., 0]
-    m = mb['mask']
-    old = mb['old_lp'] if 'old_lp' in mb else logp.detach()
-    ratio = torch.exp((logp - old).clamp(-20, 20))
-    pg1, pg2 = -mb['adv'] * ratio, -mb['adv'] * ratio.clamp(1 - eps_low, 1 + eps_high)
-    tok_loss = torch.maximum(pg1, pg2)
-    tis = (old - mb['rollout_lp']).exp().clamp(max=tis_cap) if tis_cap > 0 else torch.ones_like(old)
-    tok_loss = tok_loss * tis.detach()
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    if entropy_coef:
-        tok_loss = tok_loss + entropy_coef * (logp_all.exp() * logp_all).sum(-1)
-    if kl_coef:
-        d = mb['ref_lp'] - logp
-        tok_loss = tok_loss + kl_coef * (d.exp() - d - 1)
-    loss = (tok_loss * mb['weight'] * m).sum()
-    diff = (old - mb['rollout_lp']).abs() * m
-    return loss, {'n_tok': m.sum(), 'clip': ((pg2 > pg1) & m).sum(), 'kl': ((old - logp.detach()) * m).sum(),
-                  'entropy': (entropy * m).sum(), 'lp_diff': diff.sum(), 'lp_diff_max': diff.max(),
-                  'lp_diff_first': (diff * mb['first']).sum(), 'n_first': mb['first'].sum(), 'tis': (tis * m).sum()}
 
 
 def reduce_metrics(m):
@@ -304,7 +254,7 @@ def reduce_metrics(m):
     return {'loss': s.get('loss', 0), 'pg_clipfrac': s.get('clip', 0) / n, 'approx_kl': s.get('kl', 0) / n,
             'entropy': s.get('entropy', 0) / n, 'logprob_abs_diff': s.get('lp_diff', 0) / n,
             'logprob_abs_diff_max': mx.item(), 'logprob_abs_diff_first': s.get('lp_diff_first', 0) / max(s.get('n_first', 0), 1),
-            'tis_mean': s.get('tis', 0) / n, 'train_tokens': s.get('n_tok', 0)}
+            'tis_mean': s.get('tis', 0) / n, 'ratio_abs_dev': s.get('ratio_dev', 0) / n, 'train_tokens': s.get('n_tok', 0)}
 
 
 # -----------------------------------------------------------------------------
@@ -313,7 +263,7 @@ def reduce_metrics(m):
 def save_checkpoint(step):
     final = os.path.join(out_dir, f'ckpt_{step:06d}')
     tmp = final + '.tmp'
-    weight_sync.save_weights(model, grid, tmp, args)
+    wsync.save_weights(model, grid, tmp, args)
     torch.save({'opt': opt.state_dict(), 'cursor': cursor, 'torch_rng': torch.get_rng_state(), 'step': step,
                 'py_rng': list(random.getstate()[1]), 'weight_version': weight_version},
                os.path.join(tmp, f'trainer_rank{grid.rank:05d}-of-{grid.world_size:05d}.pt'))
@@ -349,7 +299,7 @@ def sync_weights():
     """Push the trainer's weights to every rollout server; the next rollouts carry the new version."""
     global weight_version
     weight_version += 1
-    return weight_sync.sync(model, grid, client, args, sync_dir, mode=weight_sync_mode, version=str(weight_version))
+    return wsync.sync(model, grid, client, args, sync_dir, mode=weight_sync, version=str(weight_version))
 
 
 if data == 'toy' and format_warmup_steps and start_step == 0:
@@ -358,8 +308,8 @@ if data == 'toy' and format_warmup_steps and start_step == 0:
     for i in range(format_warmup_steps):
         pairs = format_warmup_batch(tok, [problems[j] for j in rng.sample(range(len(problems)), 16)], rng)
         groups = [(p, [{'output_ids': r, 'logprobs': [0.0] * len(r)}], [1.0]) for p, r in pairs]
-        norm = parallel.all_reduce(torch.tensor(float(len(pairs) * grid.dp_size)), None, 'none')
-        mbs = make_microbatches(groups, 2, float(norm))
+        norm = len(pairs) * grid.dp_size
+        mbs = make_microbatches(groups, 2, float(norm), loss_agg, grid.device)
         m = parallel.train_step(model, grid, opt, mbs, lambda lg, mb: -(token_logprobs(lg, mb) * mb['weight'] * mb['mask']).sum(),
                                 grad_clip, recompute=recompute)
     sync_weights()
@@ -404,12 +354,13 @@ for step in range(start_step, max_steps):
         norm = float(parallel.all_reduce(torch.tensor(float(norm_local), device=grid.device), grid.dp_group, 'loss norm'))
         for mini in range(n_minibatches):
             part = groups[mini::n_minibatches] if n_minibatches > 1 else groups
-            mbs = make_microbatches(part, min(n_micro, len(part) * n_samples), norm / n_minibatches)
+            mbs = make_microbatches(part, min(n_micro, len(part) * n_samples), norm / n_minibatches, loss_agg, grid.device)
             if n_minibatches > 1:  # the old policy's logprobs, before any of this rollout's updates
                 for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, token_logprobs) or [None] * len(mbs)):
                     if lp is not None:
                         mb['old_lp'] = lp
-            m = parallel.train_step(model, grid, opt, mbs, grpo_loss, grad_clip, recompute=recompute)
+            loss_fn = lambda lg, mb: grpo_loss(lg, mb, eps_low, eps_high, tis_cap, kl_coef, entropy_coef)
+            m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip, recompute=recompute)
             rec['grad_norm'] = m['grad_norm']
         rec.update(reduce_metrics(m) if grid.is_last_stage else {})
     t2 = time.time()

@@ -21,7 +21,7 @@ n_microbatches = 2  # > 1 even at pp 1, so the micro-batch loop is exercised
 
 # rollout: '' starts the embedded server in-process; weights cross as CPU tensors
 rollout_url = ''
-weight_sync = 'tensor'
+weight_sync = 'disk'  # the embedded server reads the trainer's safetensors shards
 rollout_quant = 'none'
 
 # data and GRPO: 4 prompts x 4 samples, short answers

@@ -20,7 +20,7 @@ optimizer_offload = False  # fp32 master + Adam is ~39 GB, it fits
 
 # embedded server, colocated: the weights are handed over on the same GPU, in bf16
 rollout_url = ''
-weight_sync = 'tensor'
+weight_sync = 'disk'  # the embedded server reads the trainer's safetensors shards
 rollout_quant = 'none'
 
 # offline copies in shared/data (see shared/data/README.md); AIME-2024 is 30 problems

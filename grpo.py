@@ -1,0 +1,78 @@
+"""
+The GRPO pieces train_grpo.py uses, as pure functions so tests can check them: group-normalised advantages,
+the dynamic-sampling filter, micro-batch construction with the loss weights, and the token loss.
+RESEARCH: this is the file to fork for another policy-gradient variant.
+"""
+import torch
+
+
+def group_advantages(rewards):
+    """(r - mean) / (std + 1e-6) over one prompt's samples; all zeros when every sample scored the same."""
+    r = torch.as_tensor(rewards, dtype=torch.float32)
+    std = r.std() if len(r) > 1 else torch.tensor(0.0)
+    return ((r - r.mean()) / (std + 1e-6) if std > 0 else torch.zeros_like(r)).tolist()
+
+
+def keep_group(rewards):
+    """Dynamic sampling (DAPO): a group whose rewards are all equal carries no signal for GRPO."""
+    return len(set(rewards)) > 1
+
+
+def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", device="cpu"):
+    """groups: [(prompt ids, [samples], [advantages])] -> n_micro right-padded micro-batches holding what the last
+    stage's loss needs, per position t (logits at t score token t+1): response mask, advantage, rollout logprob,
+    and the loss weight: 1 / (response length * norm) for the per-sample token mean (norm = samples, all DP
+    ranks together), 1 / norm for the token mean (norm = response tokens, all DP ranks together)."""
+    samples = [(prompt, s, a) for prompt, ss, advs in groups for s, a in zip(ss, advs)]
+    out = []
+    for chunk in [samples[i::n_micro] for i in range(n_micro)]:
+        T = max(len(p) + len(s["output_ids"]) for p, s, _ in chunk)
+        mb = {k: torch.zeros(len(chunk), T, dtype=d) for k, d in (("input_ids", torch.long), ("tgt", torch.long),
+              ("mask", torch.bool), ("adv", torch.float32), ("rollout_lp", torch.float32), ("weight", torch.float32),
+              ("first", torch.bool))}
+        for b, (p, s, a) in enumerate(chunk):
+            ids, P, R = p + s["output_ids"], len(p), len(s["output_ids"])
+            mb["input_ids"][b, :len(ids)] = torch.tensor(ids)
+            mb["tgt"][b, :len(ids) - 1] = torch.tensor(ids[1:])
+            sl = slice(P - 1, P - 1 + R)
+            mb["mask"][b, sl], mb["adv"][b, sl] = True, a
+            mb["rollout_lp"][b, sl] = torch.tensor(s["logprobs"], dtype=torch.float32)
+            mb["weight"][b, sl] = 1.0 / norm if loss_agg == "token_mean" else 1.0 / (R * norm)
+            mb["first"][b, P - 1] = True
+        out.append({k: v.to(device) for k, v in mb.items()})
+    return out
+
+
+def token_logprobs(logits, mb):
+    """fp32 logits [B, T, V] -> the logprob of each next token [B, T]."""
+    return logits.log_softmax(-1).gather(-1, mb["tgt"][..., None])[..., 0]
+
+
+def grpo_loss(logits, mb, eps_low=0.2, eps_high=0.28, tis_cap=2.0, kl_coef=0.0, entropy_coef=0.0):
+    """The clipped policy-gradient token loss with truncated importance sampling, an optional k3 KL to a
+    reference (mb["ref_lp"]) and an entropy bonus; returns (this micro-batch's share of the loss, metric sums).
+    pi_old is mb["old_lp"] when given (several optimizer steps per rollout), else the current policy itself,
+    detached: then the ratio is exactly 1 and the step strictly on-policy."""
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, mb["tgt"][..., None])[..., 0]
+    m = mb["mask"]
+    old = mb["old_lp"] if "old_lp" in mb else logp.detach()
+    ratio = torch.exp((logp - old).clamp(-20, 20))
+    pg1, pg2 = -mb["adv"] * ratio, -mb["adv"] * ratio.clamp(1 - eps_low, 1 + eps_high)
+    tok_loss = torch.maximum(pg1, pg2)
+    # TIS: the samples came from the engine's pi_rollout, not pi_old; reweight, capped, without gradient
+    tis = (old - mb["rollout_lp"]).exp().clamp(max=tis_cap) if tis_cap > 0 else torch.ones_like(old)
+    tok_loss = tok_loss * tis.detach()
+    neg_entropy = (logp_all.exp() * logp_all).sum(-1)
+    if entropy_coef:
+        tok_loss = tok_loss + entropy_coef * neg_entropy
+    if kl_coef:
+        d = mb["ref_lp"] - logp
+        tok_loss = tok_loss + kl_coef * (d.exp() - d - 1)
+    loss = (tok_loss * mb["weight"] * m).sum()
+    with torch.no_grad():
+        diff = (old - mb["rollout_lp"]).abs() * m
+        return loss, {"n_tok": m.sum(), "clip": ((pg2 > pg1) & m).sum(), "kl": ((old - logp) * m).sum(),
+                      "entropy": (-neg_entropy * m).sum(), "lp_diff": diff.sum(), "lp_diff_max": diff.max(),
+                      "lp_diff_first": (diff * mb["first"]).sum(), "n_first": mb["first"].sum(), "tis": (tis * m).sum(),
+                      "ratio_dev": ((ratio - 1).abs() * m).sum()}
