@@ -100,11 +100,14 @@ def test_smoke_and_resume_equals_uninterrupted(tmp_path):
     assert [r["step"] for r in full] == [0, 1, 2] and all(r["train_tokens"] > 0 for r in full)
     run(tmp_path / "b", "--max_steps=2")
     resumed = run(tmp_path / "b", "--max_steps=3", "--resume=True")
+    # Same tokens, rewards and losses. Not bit-identical: the server batches requests in arrival order, and
+    # BLAS rounds small batches differently, so rollout logprobs (and TIS weights) move in the 7th digit.
     a, b = full[2], resumed[-1]
-    for k in ("reward_mean", "loss", "grad_norm", "logprob_abs_diff", "response_len_mean"):
-        assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
+    for k in ("reward_mean", "response_len_mean", "loss", "grad_norm"):
+        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-8), k
+    assert abs(a["logprob_abs_diff"] - b["logprob_abs_diff"]) < 1e-6
     wa, wb = weights(tmp_path / "a" / "ckpt_000002"), weights(tmp_path / "b" / "ckpt_000002")
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) == 0.0
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
     assert full[0]["ratio_abs_dev"] == 0.0 and full[0]["pg_clipfrac"] == 0.0  # strictly on-policy
 
 
