@@ -19,7 +19,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from model_dsv4 import rope_cos_sin, sink_attention
 

@@ -6,12 +6,9 @@ optimizer. Tensor parallel is fixed at 1, as in the seed run (TP-heavy layouts d
 
 One code path for CPU/gloo and GPU/NCCL (RCCL on ROCm): a group of size 1 skips communication, and
 world size 1 runs the same functions without a process group.
-
-    python parallel.py --plan config/mi355x.py      # per-rank memory plan of the real V4-Flash, meta device
 """
 import math
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -397,65 +394,3 @@ def train_step(model, grid, opt, microbatches, loss_fn, grad_clip=1.0, schedule=
     if not metrics["skipped"]:
         opt.step()
     return metrics
-
-
-# -----------------------------------------------------------------------------
-# memory plan of a layout, computed on the meta device (no hardware needed)
-
-def memory_plan(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n_microbatches, pp_layers=None):
-    """Per-stage bytes of one rank: weights (bf16, fp32 where the reference keeps fp32), grads (same dtype),
-    optimizer (fp32 master + two moments = 12 B/param; in host memory with offload) and an activation
-    estimate for 1F1B with this micro-batch."""
-    with torch.device("meta"):
-        full = Transformer(args, dtype=torch.bfloat16)
-    stages, rows, GB = stage_layers(args.num_hidden_layers, pp_size, pp_layers), [], 1e9
-    for pp_rank, layers in enumerate(stages):
-        first, last = pp_rank == 0, pp_rank == pp_size - 1
-        n_param = w_bytes = 0
-        for name, p in full.named_parameters():
-            top = name.split(".")[0]
-            if top == "layers" and int(name.split(".")[1]) not in layers or top == "embed" and not first \
-                    or top in ("norm", "head", "mtp", "hc_head_fn", "hc_head_base", "hc_head_scale") and not last:
-                continue
-            share = 1 / ep_size if ".experts." in name else 1  # routed experts are sharded over EP
-            n_param += p.numel() * share
-            w_bytes += p.numel() * p.element_size() * share
-        tokens = micro_batch * seq_len
-        inflight = min(pp_size - pp_rank, n_microbatches)  # 1F1B keeps at most pp - rank micro-batches alive
-        stream = tokens * args.hc_mult * args.hidden_size * 2  # one layer input [B, T, n, D] in bf16
-        # one layer's working set while it (re)computes: fp32 attention probabilities over the window and a
-        # quarter of the sequence (CSA's compressed keys), kept for backward, plus the routed experts' activations
-        work = micro_batch * args.num_attention_heads * seq_len * (args.sliding_window + seq_len // 4) * 4 * 2 \
-            + tokens * args.num_experts_per_tok * args.moe_intermediate_size * 4 * 3
-        act = inflight * len(layers) * (stream if recompute else 12 * stream) + work  # 12: rough, without recompute
-        rows.append(dict(stage=pp_rank, layers=f"{layers[0]}-{layers[-1]}", params=n_param, weights=w_bytes / GB,
-                         optim=12 * n_param / GB, act=act / GB))
-    return rows
-
-
-def plan_table(args, pp_size, ep_size, world, micro, seq, recompute, n_microbatches, gpu_gb=288, pp_layers=None):
-    """The memory plan as a markdown table, with a line saying what it assumes."""
-    rows = memory_plan(args, pp_size, ep_size, world, micro, seq, recompute, n_microbatches, pp_layers)
-    lines = [f"Memory plan, computed on the meta device (not run): {world} GPUs of {gpu_gb:.0f} GB, pp {pp_size} x "
-             f"dp {world // pp_size}, ep {ep_size}, micro-batch {micro} x {seq} tokens, {n_microbatches} micro-batches, "
-             f"recompute {recompute}.", "",
-             "| stage | layers | params per rank | weights GB | grads GB | fp32 master + Adam GB | activations GB "
-             "| GPU total GB | GPU total GB, optimizer offloaded |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        base = 2 * r["weights"] + r["act"]
-        lines.append(f"| {r['stage']} | {r['layers']} | {r['params'] / 1e9:.2f}B | {r['weights']:.1f} | {r['weights']:.1f} "
-                     f"| {r['optim']:.1f} | {r['act']:.1f} | {base + r['optim']:.1f} | {base:.1f} |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__" and "--plan" in sys.argv:
-    # python parallel.py --plan config/mi355x.py [--world=32] [--gpu_gb=288]: the same table as
-    # train_grpo.py config/mi355x.py --dry_run=True, without the trainer's imports
-    opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
-    cfg = {}
-    exec(open(sys.argv[sys.argv.index("--plan") + 1]).read(), cfg)
-    world = int(opts.get("world", 32))
-    micro = max(1, cfg["n_prompts"] * cfg["n_samples"] // (world // cfg["pp_size"]) // cfg["n_microbatches"])
-    print(plan_table(ModelArgs.from_json(cfg["model_config"]), cfg["pp_size"], cfg["ep_size"], world, micro,
-                     cfg["max_prompt_len"] + cfg["max_new_tokens"], cfg["recompute"], cfg["n_microbatches"],
-                     float(opts.get("gpu_gb", 288))))

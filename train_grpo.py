@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
+from memory_plan import plan_table
 import weight_sync as wsync
 from eval_aime import evaluate, load_problems, math_reward, overlong_penalty
 from grpo import group_advantages, grpo_loss, keep_group, make_microbatches, token_logprobs
@@ -130,7 +131,7 @@ split = [int(x) for x in pp_layers.split(',')] if pp_layers else None
 if dry_run:  # the layout of the whole job on the meta device, no hardware: WORLD_SIZE or 32 GPUs
     world = int(os.environ.get('DRY_RUN_WORLD', os.environ.get('WORLD_SIZE', 32)))
     micro = max(1, n_prompts * n_samples // (world // pp_size) // n_microbatches)
-    print(parallel.plan_table(args, pp_size, ep_size, world, micro, max_prompt_len + max_new_tokens, recompute,
+    print(plan_table(args, pp_size, ep_size, world, micro, max_prompt_len + max_new_tokens, recompute,
                               n_microbatches, pp_layers=split))
     sys.exit(0)
 grid = parallel.init_distributed(pp_size, ep_size, timeout_s=dist_timeout)

@@ -14,7 +14,6 @@ Transports (config key weight_sync_mode):
 import json
 import os
 
-import torch
 import torch.distributed as dist
 
 
