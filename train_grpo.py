@@ -50,7 +50,7 @@ from tasks import format_warmup_batch, load_tokenizer, prompt_ids, toy_problems
 # config: every default, then config/*.py and --key=value overrides (configurator.py)
 out_dir = 'out/default'
 seed = 1337
-max_steps = 60
+max_steps = 30
 dry_run = False  # build the layout on the meta device, print the per-rank memory plan, exit
 # model
 init_from = 'scratch'  # 'scratch' (model_config) or a checkpoint directory with config.json + safetensors
@@ -75,17 +75,19 @@ rollout_max_batch = 64
 # data and sampling
 data = 'toy'  # 'toy', a .jsonl / .parquet path, or a hub dataset name
 eval_data = 'toy'
-n_prompts = 16  # groups per step (all DP ranks together)
-n_samples = 8  # samples per prompt
+n_prompts = 10  # groups per step (all DP ranks together)
+n_samples = 16  # samples per prompt
 max_prompt_len = 1024
 max_new_tokens = 12
 temperature = 1.0
 top_p = 1.0
 eval_temperature = 1.0
 eval_top_p = 1.0
-format_warmup_steps = 20  # toy task only: supervised steps on the answer *format* with random digits
+format_warmup_steps = 30  # toy task only: supervised steps on the answer *format* with random digits
+format_warmup_lr = 1e-2
 # GRPO
-lr = 1e-3
+lr = 5e-3  # a scratch toy model needs a real learning rate; RL on a pretrained model uses ~1e-6
+trainable = 'auto'  # 'all' | 'io' (embeddings, output head, final norms) | 'auto': 'io' for the toy task from scratch
 lr_schedule = 'constant'  # 'constant' | 'cosine'
 warmup_steps = 0
 min_lr_ratio = 0.1
@@ -95,7 +97,7 @@ eps_low = 0.2
 eps_high = 0.28
 tis_cap = 2.0  # 0 turns truncated importance sampling off
 kl_coef = 0.0
-entropy_coef = 0.0
+entropy_coef = 0.02  # the toy run's: keeps a prompt from collapsing onto a wrong digit; real configs use 0
 loss_agg = 'seq_mean_token_mean'  # | 'token_mean'
 n_minibatches = 1  # optimizer steps per rollout; > 1 recomputes the old-policy logprobs first
 dynamic_sampling = True
@@ -105,7 +107,7 @@ overlong_factor = 1.0
 freeze_router = True  # the router gate stays as it was (RL recipes freeze it; its bias is never trained)
 # logging, eval, checkpoints
 eval_interval = 10
-eval_n_samples = 8
+eval_n_samples = 4
 eval_limit = 0  # 0 = every eval problem
 checkpoint_interval = 20
 keep_checkpoints = 2
@@ -118,6 +120,7 @@ except ValueError as e:  # a bad key or type is a usage error: say it and exit 2
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 config = {k: globals()[k] for k in config_keys}
+t_start = time.time()
 
 # -----------------------------------------------------------------------------
 # distributed init
@@ -151,11 +154,18 @@ print0(f"building the model ({'scratch' if not model_dir else model_dir}), {dtyp
 model = parallel.build_stage(args, grid, dtype=ptype, pp_layers=split, init=model_dir is None, seed=seed)
 if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
+if trainable == 'auto':  # the toy task's recipe: a random body, see tasks.py
+    trainable = 'io' if data == 'toy' and init_from == 'scratch' else 'all'
+if trainable not in ('all', 'io'):
+    raise SystemExit(f"error: trainable must be 'all', 'io' or 'auto', got {trainable!r}")
+IO = ('embed.', 'head.', 'norm.', 'hc_head_')
 for name, p in model.named_parameters():  # MTP is not trained here; the router optionally frozen
-    p.requires_grad_(not name.startswith('mtp.') and not (freeze_router and name.endswith('gate.weight')))
-opt = parallel.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, offload=optimizer_offload)
+    p.requires_grad_(not name.startswith('mtp.') and not (freeze_router and name.endswith('gate.weight'))
+                     and (trainable == 'all' or name.startswith(IO)))
+new_optimizer = lambda: parallel.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, offload=optimizer_offload)
+opt = new_optimizer()
 n_params = sum(p.numel() for p in model.parameters())
-print0(f"rank 0 holds {n_params / 1e6:.1f}M parameters")
+print0(f"rank 0 holds {n_params / 1e6:.1f}M parameters, trains {sum(p.numel() for p in opt.params) / 1e6:.1f}M ({trainable})")
 
 
 def lr_at(step):
@@ -305,14 +315,18 @@ def sync_weights():
 
 if data == 'toy' and format_warmup_steps and start_step == 0:
     rng = random.Random(seed + grid.dp_rank)
-    print0(f"format warm-up: {format_warmup_steps} supervised steps on 'Answer: <random digit>' (teaches the format, not sums)")
+    print0(f"format warm-up: {format_warmup_steps} supervised steps on 'Answer: <random digit>' (teaches the format, "
+           f"not the answers), lr {format_warmup_lr}")
+    for g in opt.param_groups:
+        g['lr'] = format_warmup_lr
     for i in range(format_warmup_steps):
-        pairs = format_warmup_batch(tok, [problems[j] for j in rng.sample(range(len(problems)), 16)], rng)
+        pairs = format_warmup_batch(tok, rng.choices(problems, k=16), rng)
         groups = [(p, [{'output_ids': r, 'logprobs': [0.0] * len(r)}], [1.0]) for p, r in pairs]
         norm = len(pairs) * grid.dp_size
         mbs = make_microbatches(groups, 2, float(norm), loss_agg, grid.device)
         m = parallel.train_step(model, grid, opt, mbs, lambda lg, mb: -(token_logprobs(lg, mb) * mb['weight'] * mb['mask']).sum(),
                                 grad_clip, recompute=recompute)
+    opt = new_optimizer()  # GRPO starts with fresh moments
     sync_weights()
 elif resume_dir or model_dir:
     sync_weights()  # the servers may hold other weights than the ones we continue from
@@ -367,7 +381,7 @@ for step in range(start_step, max_steps):
     t2 = time.time()
     sync_weights()
     t3 = time.time()
-    rec.update(t_rollout=t_roll, t_train=t2 - t1, t_sync=t3 - t2, weight_version=weight_version,
+    rec.update(t_rollout=t_roll, t_train=t2 - t1, t_sync=t3 - t2, weight_version=weight_version, elapsed_s=t3 - t_start,
                rollout_tok_s=roll[4].item() / max(t_roll, 1e-9), train_tok_s=rec.get('train_tokens', 0) / max(t2 - t1, 1e-9))
     if eval_interval and (step + 1) % eval_interval == 0 and master:
         ev = evaluate(client, tok, eval_problems, eval_n_samples, dict(temperature=eval_temperature, top_p=eval_top_p,
@@ -382,7 +396,7 @@ for step in range(start_step, max_steps):
               f"len {rec['response_len_mean']:.1f} | kept {rec['kept_group_ratio']:.2f} | loss {rec.get('loss', 0):+.4f} | "
               f"clip {rec.get('pg_clipfrac', 0):.3f} | kl {rec.get('approx_kl', 0):+.1e} | ent {rec.get('entropy', 0):.2f} | "
               f"|dlp| {rec.get('logprob_abs_diff', 0):.1e} | gnorm {rec.get('grad_norm', 0):.2f} | "
-              f"t_roll {t_roll:.1f}s t_train {t2 - t1:.1f}s t_sync {t3 - t2:.1f}s"
+              f"t_roll {t_roll:.1f}s t_train {t2 - t1:.1f}s t_sync {t3 - t2:.1f}s | {rec['elapsed_s']:.0f}s"
               + (f" | eval pass@1 {rec['eval_pass@1']:.3f}" if 'eval_pass@1' in rec else ''), flush=True)
         with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
             f.write(json.dumps(rec) + '\n')

@@ -23,13 +23,15 @@ rollout_url = ''
 weight_sync = 'disk'  # the embedded server reads the trainer's safetensors shards
 rollout_quant = 'none'
 
-# offline copies in shared/data (see shared/data/README.md); AIME-2024 is 30 problems
-data = 'shared/data/dapo_math_17k/dapo_math_17k.jsonl'
-eval_data = 'shared/data/aime2024/aime2024.jsonl'
+# offline copies in ../shared/data (see shared/data/README.md); AIME-2024 is 30 problems
+data = '../shared/data/dapo_math_17k/dapo_math_17k.jsonl'  # the copies beside this checkout; --data=<path> elsewhere
+eval_data = '../shared/data/aime2024/aime2024.jsonl'
 n_prompts, n_samples = 16, 8
 max_new_tokens = 2048
 temperature, top_p = 0.8, 1.0
 lr, lr_schedule = 1e-6, 'constant'
+trainable = 'all'
+kl_coef, entropy_coef = 0.0, 0.0
 eps_low, eps_high = 0.2, 0.28
 tis_cap = 2.0
 eval_interval, eval_n_samples = 10, 8
