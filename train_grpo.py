@@ -302,7 +302,10 @@ if resume_dir:
 # -----------------------------------------------------------------------------
 # wandb (optional) and the format warm-up of the toy task
 if wandb_log and is_logger:
-    import wandb
+    try:
+        import wandb
+    except ImportError:
+        raise SystemExit("error: wandb_log=True needs the wandb package (pip install wandb)")
     wandb.init(project=wandb_project, config=config, dir=out_dir, mode=None if os.environ.get('WANDB_API_KEY') else 'offline')
 
 
