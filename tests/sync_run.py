@@ -1,6 +1,6 @@
 """A trainer under a parallel layout that syncs its weights to running servers, both transports, and saves what
-each rank sent. Launched by tests/test_weight_sync.py on 4 gloo ranks (as tests/parallel_run.py is):
-    python tests/sync_run.py OUT_DIR PP EP URL[,URL...]     (with RANK/WORLD_SIZE/... set)"""
+each rank sent. Launched by tests/test_weight_sync.py on 4 gloo ranks:
+    torchrun --standalone --nproc_per_node=4 tests/sync_run.py OUT_DIR PP EP URL[,URL...]"""
 import json
 import os
 import sys
