@@ -2,25 +2,23 @@
 Weight sync from the trainer to the rollout servers, SGLang or the embedded one (the same HTTP protocol,
 ../shared/docs/sglang_api.md §2), and the writer of official-name safetensors shards (checkpoints use it too).
 
-Names: the trainer's parameter names *are* the official checkpoint names (model_dsv4.py), so the name table is
-the identity; quant.py's table adds which tensors travel quantized (rollout_quant = none | fp8 | fp8_fp4): the
-official FP8 e4m3 / FP4 e2m1 weights plus their e8m0 `.scale`, made by quant.py on the sending rank. Buffers
-(the hash table tid2eid, the router bias) travel with the parameters: a table synced as zeros is another model.
+Names: trainer parameter names *are* the official checkpoint names (model_dsv4.py): the name table is the identity.
+quant.py's table adds which tensors travel quantized for rollout_quant = fp8 | fp8_fp4 (the official e4m3 / e2m1
+weight plus its e8m0 `.scale`, made on the sending rank). Buffers (tid2eid, the router bias) always travel.
 
 Transports (config key weight_sync):
-  disk         every writer saves its shard (dense tensors: DP rank 0 of their stage; routed experts: the ranks
-               of the first EP group), then POST /update_weights_from_disk on every server.
-  distributed  one weight-update group per PP stage: the stage's sender (its DP rank 0) is rank 0, server i
-               holds the ranks after servers 0..i-1 (1 + their tp sizes). The session, on every server: pause
-               (retract) -> flush -> begin -> per bucket POST /update_weights_from_distributed + broadcast -> end
-               (quantized servers rebuild their compute weights there) -> continue. Stages go one after the
-               other. A stage's EP ranks hand their experts to its sender one bucket at a time: no rank holds
-               more than its own weights plus one bucket (bucket_mb).
+  disk         each tensor's one writer saves it (dense: DP rank 0 of its stage; routed experts: the first EP
+               group), then POST /update_weights_from_disk on every server.
+  distributed  one weight-update group per PP stage, its sender (the stage's DP rank 0) is rank 0 and server i
+               holds the ranks after servers 0..i-1 (1 + their tp sizes). On every server: pause (retract) ->
+               flush -> begin -> per bucket POST /update_weights_from_distributed + broadcast -> end (quantized
+               servers rebuild their compute weights) -> continue. Stages send one after the other; a stage's EP
+               ranks hand their experts to its sender a bucket at a time (at most bucket_mb more on any rank).
   tensor       not implemented (CUDA-IPC handles, for engines colocated with the trainer).
 
-Failure: a server that dies or times out mid-sync raises SyncError on every trainer rank, naming it. The trainer's
-weights are only read. Every server the sync did not complete on, and every server that was down, goes into
-client.stale: no rollouts until a later sync reaches it in full. Each sync goes to every server that is up.
+Failure: a server that dies or times out raises SyncError on every trainer rank, naming it. The trainer's weights
+are only read. The servers a sync did not complete on, and those that were down, go into client.stale (no rollouts)
+until a later sync reaches them in full; every sync goes to every server that is up.
 """
 import json
 import os
@@ -40,7 +38,7 @@ GROUP = {}  # this rank's live weight-update groups: "urls", "names" (one per st
 
 
 class SyncError(RuntimeError):
-    """A sync that did not complete; .urls: the servers it failed on (all of them, when no one server is the cause)."""
+    """A sync that did not complete; .urls: the servers it failed on."""
     def __init__(self, message, urls):
         super().__init__(message)
         self.urls = urls
@@ -79,7 +77,7 @@ def save_weights(model, grid, path, args, quant="none"):
 
 
 # -----------------------------------------------------------------------------
-# helpers: HTTP to a set of servers, agreement across the trainer's ranks
+# helpers: calls to a set of servers, agreement across the trainer's ranks
 
 def background(fn, *args):
     """fn(*args) in a daemon thread (a call stuck on a dead peer must not keep the trainer alive) -> Future."""
@@ -93,7 +91,7 @@ def background(fn, *args):
     return fut
 
 
-def post_async(client, urls, path, body, timeout):
+def post(client, urls, path, body, timeout):
     """POST on every url at once (body: one dict, or {url: dict}) -> {url: Future of its error, None if fine}."""
     def one(url):
         try:
@@ -116,18 +114,14 @@ def errors(futures, wait=None):
     return {u: e for u, e in out.items() if e}
 
 
-def post(client, urls, path, body, timeout):
-    return errors(post_async(client, urls, path, body, timeout))
-
-
 def failed(errs, what):
-    """{url: error} -> the error (message, urls) that agree() passes around, or None."""
+    """{url: error} -> the error that agree() passes around, (message, urls), or None."""
     return (what + "".join(f"\n  {u}: {e}" for u, e in errs.items()), [u for u in errs if "://" in u]) if errs else None
 
 
 def agree(grid, err, src=None):
     """Every rank's error (None if fine) -> the first one, on every rank; or rank src's value to all. All ranks
-    go on or stop together, so no rank waits in a collective that the others left."""
+    go on or stop together: none waits in a collective that the others left."""
     if grid.world_size == 1:
         return err
     box = [err] if src is not None else [None] * grid.world_size
@@ -136,18 +130,24 @@ def agree(grid, err, src=None):
 
 
 # -----------------------------------------------------------------------------
-# distributed: groups, stage plans, buckets
+# the distributed transport
 
 def make_groups(grid, client, urls, token, timeout):
-    """One group per PP stage, created stage after stage: a server (SGLang's scheduler) joins one group at a
-    time, so servers taking the stages' groups in different orders would wait on each other for ever."""
+    """One group per PP stage, made stage after stage: a server (SGLang's scheduler) joins one group at a time,
+    so servers taking the stages' groups in different orders would wait on each other for ever."""
     teardown(grid, client, GROUP.get("urls", ()))
-    tps = agree(grid, [tp_size(client, u) for u in urls] if grid.rank == 0 else None, src=0)
-    world, names = 1 + sum(tps), [f"nano-pp{p}-{token}" for p in range(grid.pp_size)]
+    tps = [1] * len(urls)  # ranks per server: SGLang's tp_size; the embedded server has no /server_info (404)
+    for i, url in enumerate(urls if grid.rank == 0 else []):
+        try:
+            status, out = client._http(url, "GET", "/server_info", timeout=30)
+            tps[i] = out.get("tp_size", 1) if status == 200 and isinstance(out, dict) else 1
+        except RETRYABLE:
+            pass
+    tps, names = agree(grid, tps, src=0), [f"nano-pp{p}-{token}" for p in range(grid.pp_size)]
     for p, name in enumerate(names):
         err = None
         if grid.rank == p * grid.dp_size:  # the sender of stage p: its dp_rank 0 (parallel.py's grid)
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # our address as the servers reach us
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # our address, as the servers reach us
                 s.connect((urls[0].split("://")[1].rsplit(":", 1)[0], 80))
                 addr = s.getsockname()[0]
             with socket.socket() as s:
@@ -155,70 +155,53 @@ def make_groups(grid, client, urls, token, timeout):
                 port = s.getsockname()[1]
             backend = "nccl" if grid.device.type == "cuda" else "gloo"
             bodies = {u: {"master_address": addr, "master_port": port, "rank_offset": 1 + sum(tps[:i]),
-                          "world_size": world, "group_name": name, "backend": backend} for i, u in enumerate(urls)}
-            joined = post_async(client, urls, "/init_weights_update_group", bodies, timeout)
-            pg = background(init_weight_update_group, addr, port, 0, world, name, backend, timeout)
+                          "world_size": 1 + sum(tps), "group_name": name, "backend": backend} for i, u in enumerate(urls)}
+            joined = post(client, urls, "/init_weights_update_group", bodies, timeout)
+            pg = background(init_weight_update_group, addr, port, 0, 1 + sum(tps), name, backend, timeout)
             err = failed(errors(joined), f"init_weights_update_group {name} failed on:")
             GROUP["pg"] = pg.result() if err is None else None  # else left to time out in its thread
-        err = agree(grid, err)
-        if err:
+        if err := agree(grid, err):
             raise SyncError(*err)
     GROUP.update(urls=tuple(urls), names=names)
-
-
-def tp_size(client, url):
-    """The ranks a server holds in a group: SGLang's tp_size (/server_info); 1 for the embedded server (404)."""
-    try:
-        status, out = client._http(url, "GET", "/server_info", timeout=30)
-    except RETRYABLE:
-        return 1
-    return out.get("tp_size", 1) if status == 200 and isinstance(out, dict) else 1
 
 
 def teardown(grid, client, urls=()):
     """Forget the groups: ours at once; rank 0 asks the servers in urls to drop theirs (best effort)."""
     if GROUP.get("pg") is not None:
         dist.destroy_process_group(GROUP["pg"])
-    if grid.rank == 0 and urls:
-        for name in GROUP.get("names", []):
-            post(client, urls, "/destroy_weights_update_group", {"group_name": name}, 30)
+    for name in GROUP.get("names", []) if grid.rank == 0 else []:
+        errors(post(client, urls, "/destroy_weights_update_group", {"group_name": name}, 30))
     GROUP.clear()
 
 
-def stage_plan(model, grid):
-    """This stage's tensors in send order, as (name, owner EP rank, shape, dtype): the sender's own (dense and
-    its experts), then each other EP rank's experts. Every rank of the stage's first EP group gets the same."""
+def stage_buckets(model, grid, quant, limit):
+    """This stage's tensors in send order, as (name, owner EP rank, shape, dtype): the sender's own (dense and its
+    experts), then each other EP rank's experts; cut into buckets of at most `limit` bytes on the wire (quantized),
+    a bigger tensor alone. Every rank of the stage's first EP group gets the same buckets."""
     mine = [(k, grid.ep_rank, tuple(v.shape), v.dtype) for k, v in model.state_dict().items()
             if grid.ep_rank == 0 or ".experts." in k]
-    lists = [mine]
+    lists = [mine] if grid.ep_size == 1 else [None] * grid.ep_size
     if grid.ep_size > 1:
-        lists = [None] * grid.ep_size
         dist.all_gather_object(lists, mine, group=grid.ep_group)
-    return [e for entries in lists for e in entries]
-
-
-def buckets(plan, quant, limit):
-    """Consecutive plan entries whose bytes on the wire (quantized) stay within limit; a bigger tensor alone."""
     out, size = [[]], 0
-    for e in plan:
+    for e in [e for entries in lists for e in entries]:
         n = sum(torch.Size(s).numel() * d.itemsize for _, s, d in quantized_meta(e[0], e[2], e[3], quant))
         if out[-1] and size + n > limit:
-            out.append([])
-            size = 0
+            out, size = out + [[]], 0
         out[-1].append(e)
         size += n
     return out
 
 
 def send_stage(model, grid, client, urls, name, quant, version, limit, timeout, stats, samples):
-    """This stage's buckets: the EP ranks hand their experts to the sender, which quantizes, POSTs the bucket's
-    names to every server and broadcasts the tensors in that order. After an error the sender still takes part
-    in the gathers (the other EP ranks are mid-loop) but sends nothing more. -> error or None."""
+    """The stage's buckets: the EP ranks hand their experts to the sender, which quantizes, POSTs the bucket's names
+    to every server and broadcasts the tensors in that order. After an error the sender still takes part in the
+    gathers (the other EP ranks are mid-loop) but sends nothing more. -> error or None."""
     sd, err, is_sender = model.state_dict(), None, grid.ep_rank == 0
     ep_ranks = dist.get_process_group_ranks(grid.ep_group) if grid.ep_size > 1 else [grid.rank]
-    plan = buckets(stage_plan(model, grid), quant, limit)
-    for i, bucket in enumerate(plan):
-        tensors, what = {}, f"bucket {i + 1}/{len(plan)} of stage {grid.pp_rank} failed on:"
+    buckets = stage_buckets(model, grid, quant, limit)
+    for i, bucket in enumerate(buckets):
+        tensors, what = {}, f"bucket {i + 1}/{len(buckets)} of stage {grid.pp_rank} failed on:"
         for k, owner, shape, dtype in bucket:
             if owner == grid.ep_rank and not is_sender:
                 dist.send(sd[k].detach().contiguous(), dst=ep_ranks[0])
@@ -230,17 +213,16 @@ def send_stage(model, grid, client, urls, name, quant, version, limit, timeout, 
             continue
         sent = {n: q.contiguous() for k, t in tensors.items() for n, q in quantize_tensor(k, t, quant).items()}
         del tensors
-        body = {"names": list(sent), "dtypes": [str(v.dtype)[6:] for v in sent.values()], "group_name": name,
-                "shapes": [list(v.shape) for v in sent.values()], "flush_cache": False, "weight_version": version}
-        answers = post_async(client, urls, "/update_weights_from_distributed", body, timeout)
+        answers = post(client, urls, "/update_weights_from_distributed", {
+            "names": list(sent), "dtypes": [str(v.dtype)[6:] for v in sent.values()], "group_name": name,
+            "shapes": [list(v.shape) for v in sent.values()], "flush_cache": False, "weight_version": version}, timeout)
         try:
             for v in sent.values():
                 dist.broadcast(as_bytes(v), src=0, group=GROUP["pg"])  # float8 travels as bytes (gloo has none)
-        except Exception as e:  # a dead peer: the servers still up wait on us for ever; don't wait for them
+        except Exception as e:  # a dead peer: the servers still up wait on us for ever; do not wait for them
             err = failed({**errors(answers, wait=2), "broadcast": f"{type(e).__name__}: {e}"}, what)
             continue
-        err = failed(errors(answers), what)
-        nbytes = sum(v.nbytes for v in sent.values())
+        err, nbytes = failed(errors(answers), what), sum(v.nbytes for v in sent.values())
         stats.update(names=stats["names"] + list(sent), bytes=stats["bytes"] + nbytes, buckets=stats["buckets"] + 1,
                      max_bucket_bytes=max(stats["max_bucket_bytes"], nbytes))
         samples.update({n: v[:2].clone() for n, v in sent.items()})  # for verify: the first rows, as sent
@@ -248,25 +230,23 @@ def send_stage(model, grid, client, urls, name, quant, version, limit, timeout, 
 
 
 def sync_distributed(model, grid, client, urls, token, quant, version, limit, timeout, stats, samples):
-    """The session of the module docstring. Raises SyncError on every rank; the servers' sessions are closed and
-    generation resumed either way, and after a failure the groups are dropped (the next sync makes new ones)."""
+    """The session of the module docstring. The servers' sessions are closed and generation resumed whatever
+    happens; after a failure the groups are dropped (the next sync makes new ones) and SyncError raised."""
     if GROUP.get("urls") != tuple(urls):  # the first sync, or other servers: new groups
         make_groups(grid, client, urls, token, timeout)
     err = None
-    if grid.rank == 0:
-        for path, body in [("/pause_generation", {"mode": "retract"}), ("/flush_cache", {}), ("/begin_weight_update", {})]:
-            err = err or failed(post(client, urls, path, body, timeout), f"{path} failed on:")
+    for path, body in [("/pause_generation", {"mode": "retract"}), ("/flush_cache", {}), ("/begin_weight_update", {})]:
+        err = err or (failed(errors(post(client, urls, path, body, timeout)), f"{path} failed on:") if grid.rank == 0 else None)
     err = agree(grid, err)
     for p in range(grid.pp_size):  # stage after stage, so every server receives in the same order
         if err is None and grid.pp_rank == p and grid.edp_rank == 0:
             err = send_stage(model, grid, client, urls, GROUP["names"][p], quant, version, limit, timeout, stats, samples)
         err = agree(grid, err)
     if grid.rank == 0:  # close the session (quantized servers rebuild here) and resume, wherever still up
-        end = failed(post(client, urls, "/end_weight_update", {}, timeout), "/end_weight_update failed on:")
-        post(client, urls, "/continue_generation", {}, timeout)
-        err = err or end
-    err = agree(grid, err)
-    if err:
+        ended = failed(errors(post(client, urls, "/end_weight_update", {}, timeout)), "/end_weight_update failed on:")
+        errors(post(client, urls, "/continue_generation", {}, timeout))
+        err = err or ended
+    if err := agree(grid, err):
         teardown(grid, client, urls)
         raise SyncError(*err)
 
@@ -294,21 +274,22 @@ def sync(model, grid, client, args, path, mode="disk", version="1", quant="none"
     if mode not in ("disk", "distributed"):
         raise ValueError(f"weight_sync '{mode}' is not available (have: disk, distributed)")
     t0, stats, samples = time.time(), {"mode": mode, "names": [], "bytes": 0, "buckets": 0, "max_bucket_bytes": 0}, {}
-    up = [u for u, ok in client.health().items() if ok] if grid.rank == 0 else None
-    up, token = agree(grid, (up, uuid.uuid4().hex[:8]), src=0)
+    up, token = agree(grid, ([u for u, ok in client.health().items() if ok] if grid.rank == 0 else None,
+                             uuid.uuid4().hex[:8]), src=0)
     client.stale.update(u for u in client.urls if u not in up)
     try:
         if not up:
             raise SyncError(f"no rollout server is up: {client.urls}", list(client.urls))
+        err = None
         if mode == "disk":
             samples, stats["bytes"] = save_weights(model, grid, path, args, quant)
             stats["names"] = list(samples)
-            err = failed(post(client, up, "/update_weights_from_disk", {"model_path": os.path.abspath(path),
-                              "weight_version": version}, timeout), "update_weights_from_disk failed on:") \
-                if grid.rank == 0 else None
+            if grid.rank == 0:
+                err = failed(errors(post(client, up, "/update_weights_from_disk", {"model_path": os.path.abspath(path),
+                             "weight_version": version}, timeout)), "update_weights_from_disk failed on:")
         else:
-            sync_distributed(model, grid, client, up, token, quant, version, int(bucket_mb * (1 << 20)), timeout, stats, samples)
-            err = None
+            sync_distributed(model, grid, client, up, token, quant, version, int(bucket_mb * (1 << 20)), timeout,
+                             stats, samples)
         err = agree(grid, err)  # every server has the weights now (or the sync failed), so verify may look
         if verify and not err:
             err = agree(grid, failed(check_samples(client, up, samples), "verify failed on:"))

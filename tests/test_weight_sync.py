@@ -191,20 +191,20 @@ def test_server_killed_mid_sync(servers, ckpt, tmp_path):
     (_, url_a), (proc_b, url_b) = servers
     client, model = RolloutClient([url_a, url_b]), trained(step_seed=5)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    post_async, calls = wsync.post_async, []
+    post, calls = wsync.post, []
 
     def kill_at_second_bucket(client_, urls, path, *rest):
         calls.append(path)
         if calls.count("/update_weights_from_distributed") == 2:
             proc_b.kill()
             proc_b.wait()
-        return post_async(client_, urls, path, *rest)
-    wsync.post_async = kill_at_second_bucket
+        return post(client_, urls, path, *rest)
+    wsync.post = kill_at_second_bucket
     try:
         with pytest.raises(wsync.SyncError) as err:
             wsync.sync(model, GRID, client, ARGS, tmp_path, mode="distributed", version="k-1", bucket_mb=0.25, timeout=30)
     finally:
-        wsync.post_async = post_async
+        wsync.post = post
     print(err.value)
     assert f"down now: ['{url_b}']" in str(err.value) and url_b in err.value.urls
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the trainer's weights untouched
@@ -218,3 +218,16 @@ def test_server_killed_mid_sync(servers, ckpt, tmp_path):
     assert {s["url"] for (s,) in client.generate(PROMPTS, 1, {"max_new_tokens": 2}, 0)} == {url_a}
     wsync.sync(model, GRID, client, ARGS, tmp_path, mode="distributed", version="k-3", verify=True, timeout=30)
     assert client.stale == set() and logprob_diff(url_b, model, "k-3") <= 1e-5
+
+
+def test_train_grpo_syncs_distributed_into_fp8_server(tmp_path):
+    """The trainer's own path: its embedded server serves fp8, a verified distributed sync follows every step,
+    and the second step's samples all carry the version the first sync stamped."""
+    cmd = [sys.executable, "train_grpo.py", f"--out_dir={tmp_path}", "--max_steps=2", "--n_prompts=2", "--n_samples=2",
+           "--max_new_tokens=4", "--format_warmup_steps=0", "--eval_interval=0", "--checkpoint_interval=0",
+           "--dynamic_sampling=False", "--weight_sync=distributed", "--rollout_quant=fp8", "--weight_sync_verify=True",
+           "--weight_sync_bucket_mb=1"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0 and "weight sync, attempt" not in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["weight_version"] for r in recs] == [1, 2] and recs[0]["stale_samples"] == 4 and recs[1]["stale_samples"] == 0
