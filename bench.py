@@ -32,6 +32,7 @@ p.add_argument("--new_tokens", type=int, default=64, help="decode: tokens genera
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--bucket_mb", type=float, default=512, help="sync: bucket size of the distributed transport")
 p.add_argument("--tmp", default=None, help="sync: directory for the disk transport (default: the system's temp dir)")
+p.add_argument("--layers", type=int, default=0, help="keep only the first N trunk layers (less memory; 0 = all)")
 cli = p.parse_args()
 
 
@@ -97,8 +98,12 @@ def bench_sync(args, dtype, device, versions):
     the whole sync call, as the trainer pays it. The floor for the same bytes: one file write, one memcpy."""
     import subprocess, sys
     import parallel, weight_sync as wsync
+    from quant import quantize_tensor
     from rollout import RolloutClient
-    model, grid, rows = Transformer(copy.deepcopy(args), dtype=dtype).to(device), parallel.init_distributed(), []
+    with torch.device("meta"):  # then materialised in dtype: no fp32 copy of a big model on the way
+        model = Transformer(copy.deepcopy(args), dtype=dtype)
+    model, grid, rows = model.to_empty(device=device), parallel.init_distributed(), []
+    model.init_weights(seed=0)
     with tempfile.TemporaryDirectory(dir=cli.tmp) as d:
         for quant in ("none", "fp8"):
             wsync.save_weights(model, grid, f"{d}/start", args, quant)  # the server starts from the trainer's weights
@@ -112,6 +117,11 @@ def bench_sync(args, dtype, device, versions):
                 rows.append((mode + (" (+ groups)" if i == 1 else ""), quant, st["bytes"], st["seconds"]))
             proc.terminate()
             proc.wait()
+        sync(device)
+        t0 = time.perf_counter()  # what the fp8 rows pay before any byte moves
+        nq = sum(q.nbytes for k, v in model.state_dict().items() for q in quantize_tensor(k, v, "fp8").values())
+        sync(device)
+        rows.append(("quantize only (quant.py)", "fp8", nq, time.perf_counter() - t0))
         n = rows[0][2]  # the model's bytes as the trainer holds them
         chunk = torch.ones(min(n, 512 << 20), dtype=torch.uint8)
         sync(device)
@@ -127,7 +137,8 @@ def bench_sync(args, dtype, device, versions):
             dst[:n - i].copy_(chunk[:n - i])
         sync(device)
         rows.append(("memcpy", "-", n, time.perf_counter() - t0))
-    print(f"weight sync, {cli.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters), "
+    print(f"weight sync, {cli.model}{f' (first {cli.layers} layers)' if cli.layers else ''} "
+          f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters), "
           f"{cli.dtype}, trainer and one embedded server on this machine, buckets of {cli.bucket_mb:g} MB, {versions}")
     print(f"  {'transport':24s} {'serving':8s} {'GB moved':>9s} {'seconds':>8s} {'GB/s':>7s}")
     for what, quant, nbytes, t in rows:
@@ -138,6 +149,10 @@ if __name__ == "__main__":
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cli.dtype)
     args = ModelArgs.from_json(cli.model)
+    if cli.layers:
+        n, args.num_hidden_layers = args.num_hidden_layers, cli.layers
+        args.compress_ratios = args.compress_ratios[:cli.layers] + args.compress_ratios[n:]  # MTP's entries stay
+        args.num_hash_layers = min(args.num_hash_layers, cli.layers)
     if cli.what == "sync":
         dev = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
         bench_sync(args, dtype, device, f"{dev}, torch {torch.__version__}")
