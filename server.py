@@ -538,9 +538,9 @@ def read_raw(path, names):
     """The tensors of a checkpoint named in `names`, as stored (no dequantisation)."""
     from safetensors import safe_open
     index, out = checkpoint_index(path), {}
-    for k in [k for k in names if k in index]:
-        with safe_open(index[k][0], framework="pt") as f:
-            out[k] = f.get_tensor(index[k][1])
+    for file in {index[k][0] for k in names if k in index}:
+        with safe_open(file, framework="pt") as f:
+            out.update({k: f.get_tensor(index[k][1]) for k in names if index.get(k, ("",))[0] == file})
     return out
 
 
@@ -601,8 +601,8 @@ def serve(args):
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
     if args.parent_pid:  # an embedded server outliving its trainer would hold the port and the memory
         threading.Thread(target=exit_with, args=(args.parent_pid,), daemon=True, name="parent-watch").start()
-    print(f"rollout server ready at {httpd.url} (model {os.path.abspath(args.model)}, {args.dtype}, quant {args.quant}, "
-          f"{httpd.app.engine.device}, pid {os.getpid()})", flush=True)
+    print(f"rollout server ready at {httpd.url} (model {os.path.abspath(args.model)}, {args.dtype}, "
+          f"quant {args.quant}, {httpd.app.engine.device}, pid {os.getpid()})", flush=True)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

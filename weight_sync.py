@@ -58,7 +58,8 @@ def save_weights(model, grid, path, args, quant="none"):
     os.makedirs(path, exist_ok=True)
     mine = {n: q.contiguous().cpu() for k, v in my_tensors(model, grid).items()
             for n, q in quantize_tensor(k, v.detach(), quant).items()}
-    fname, nbytes = f"model-rank{grid.rank:05d}-of-{grid.world_size:05d}.safetensors", sum(v.nbytes for v in mine.values())
+    fname = f"model-rank{grid.rank:05d}-of-{grid.world_size:05d}.safetensors"
+    nbytes = sum(v.nbytes for v in mine.values())
     if mine:
         save_file(mine, os.path.join(path, fname), metadata={"format": "pt"})
     names = [(list(mine), fname, nbytes)]
@@ -155,7 +156,8 @@ def make_groups(grid, client, urls, token, timeout):
                 port = s.getsockname()[1]
             backend = "nccl" if grid.device.type == "cuda" else "gloo"
             bodies = {u: {"master_address": addr, "master_port": port, "rank_offset": 1 + sum(tps[:i]),
-                          "world_size": 1 + sum(tps), "group_name": name, "backend": backend} for i, u in enumerate(urls)}
+                          "world_size": 1 + sum(tps), "group_name": name, "backend": backend}
+                      for i, u in enumerate(urls)}
             joined = post(client, urls, "/init_weights_update_group", bodies, timeout)
             pg = background(init_weight_update_group, addr, port, 0, 1 + sum(tps), name, backend, timeout)
             err = failed(errors(joined), f"init_weights_update_group {name} failed on:")
@@ -236,11 +238,13 @@ def sync_distributed(model, grid, client, urls, token, quant, version, limit, ti
         make_groups(grid, client, urls, token, timeout)
     err = None
     for path, body in [("/pause_generation", {"mode": "retract"}), ("/flush_cache", {}), ("/begin_weight_update", {})]:
-        err = err or (failed(errors(post(client, urls, path, body, timeout)), f"{path} failed on:") if grid.rank == 0 else None)
+        if grid.rank == 0 and err is None:
+            err = failed(errors(post(client, urls, path, body, timeout)), f"{path} failed on:")
     err = agree(grid, err)
     for p in range(grid.pp_size):  # stage after stage, so every server receives in the same order
         if err is None and grid.pp_rank == p and grid.edp_rank == 0:
-            err = send_stage(model, grid, client, urls, GROUP["names"][p], quant, version, limit, timeout, stats, samples)
+            err = send_stage(model, grid, client, urls, GROUP["names"][p], quant, version, limit, timeout, stats,
+                             samples)
         err = agree(grid, err)
     if grid.rank == 0:  # close the session (quantized servers rebuild here) and resume, wherever still up
         ended = failed(errors(post(client, urls, "/end_weight_update", {}, timeout)), "/end_weight_update failed on:")
@@ -251,13 +255,17 @@ def sync_distributed(model, grid, client, urls, token, quant, version, limit, ti
         raise SyncError(*err)
 
 
-def check_samples(client, urls, samples):
+def check_samples(client, urls, samples, timeout):
     """/get_weights_by_name on every server against the first rows we sent: equal, or equal after the bf16 cast
     of a server that serves bf16. -> {url: error} naming the first tensor that differs."""
     def check(url):
         for name, want in samples.items():
             want = (e8m0_to_float(want) if want.dtype == torch.float8_e8m0fnu else want.float()).cpu()
-            status, got = client._http(url, "POST", "/get_weights_by_name", {"name": name, "truncate_size": 2})
+            try:
+                status, got = client._http(url, "POST", "/get_weights_by_name", {"name": name, "truncate_size": 2},
+                                           timeout)
+            except RETRYABLE as e:
+                return f"verify: {type(e).__name__}: {e}"
             got = torch.tensor(got) if status == 200 else None
             if got is None or not (torch.equal(got, want) or torch.equal(got, want.bfloat16().float())):
                 return f"verify: {name} differs from what the trainer sent (HTTP {status})"
@@ -292,7 +300,7 @@ def sync(model, grid, client, args, path, mode="disk", version="1", quant="none"
                              stats, samples)
         err = agree(grid, err)  # every server has the weights now (or the sync failed), so verify may look
         if verify and not err:
-            err = agree(grid, failed(check_samples(client, up, samples), "verify failed on:"))
+            err = agree(grid, failed(check_samples(client, up, samples, timeout), "verify failed on:"))
         if err:
             raise SyncError(*err)
     except SyncError as e:
