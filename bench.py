@@ -107,9 +107,12 @@ def bench_sync(args, dtype, device, versions):
     with tempfile.TemporaryDirectory(dir=cli.tmp) as d:
         for quant in ("none", "fp8"):
             wsync.save_weights(model, grid, f"{d}/start", args, quant)  # the server starts from the trainer's weights
+            gpus = torch.cuda.device_count() if device.type == "cuda" else 0  # NCCL: the server on a GPU of its own
+            assert gpus != 1, "the distributed transport over NCCL needs the server on another GPU: run with 2 GPUs"
             proc = subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", f"{d}/start", "--port", "0",
                                      "--dtype", cli.dtype, "--device", device.type, "--quant", quant, "--max-len", "256"],
-                                    stdout=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, text=True,
+                                    env=dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpus - 1)} if gpus else {})))
             client = RolloutClient(next(l for l in proc.stdout if "ready at" in l).split("ready at ")[1].split()[0])
             for i, mode in enumerate(["disk", "distributed", "distributed"]):  # the first distributed makes the groups
                 st = wsync.sync(model, grid, client, args, f"{d}/sync", mode=mode, version=str(i), quant=quant,

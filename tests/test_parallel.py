@@ -17,8 +17,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PARAM_TOL = 1e-5
 
 
-def launch(out_dir, pp, ep, variants, env=None, n=4, timeout=240, script="parallel_run.py"):
-    """Start n ranks of parallel_run.py (or another script); return (exit codes, outputs, seconds until the last exited)."""
+def launch(out_dir, pp, ep, variants, env=None, n=4, timeout=240):
+    """Start n ranks of parallel_run.py; return (exit codes, outputs, seconds until the last exited)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -26,7 +26,7 @@ def launch(out_dir, pp, ep, variants, env=None, n=4, timeout=240, script="parall
     for rank in range(n):
         e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), str(out_dir), str(pp),
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "parallel_run.py"), str(out_dir), str(pp),
                                        str(ep), variants], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     try:

@@ -1,6 +1,5 @@
-"""Weight sync (weight_sync.py) into running embedded servers: after a training step and a sync, the servers'
-logprobs equal the trainer's; PP2 x EP2 senders send every tensor once; FP8 / FP4 serving from the official format;
-a server killed mid-sync. Servers and the multi-rank trainer (tests/sync_run.py, torchrun) are subprocesses."""
+"""Weight sync (weight_sync.py) into running embedded servers (subprocesses): logprobs after a step and a sync,
+PP2 x EP2 senders (tests/sync_run.py), FP8 / FP4 serving in the official format, a server killed mid-sync."""
 import copy
 import glob
 import json
@@ -14,7 +13,7 @@ import torch
 
 import parallel
 import weight_sync as wsync
-from conftest import randomize_
+from conftest import randomize_, start_servers, stop
 from model_dsv4 import ModelArgs, Transformer, save_pretrained
 from parallel_run import ARGS as RUN_ARGS
 from quant import quant_format, quantize_tensor, quantized_meta
@@ -24,33 +23,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 ARGS = ModelArgs(**RUN_ARGS)  # window, CSA and HCA layers, 2 hash layers, 8 experts, an MTP layer
 GRID = parallel.init_distributed()  # the trainer of most tests: one process
 PROMPTS = [[5, 9, 2], list(range(10, 31)), [7] * 40]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread per process here (the servers and ranks too): on 2 shared cores, two OpenMP threads
-    wait on each other's time slices, which made these tests 10x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def start_servers(ckpt, n=1, quant="none", ports=None):
-    """n embedded servers (subprocesses, started together) -> [[process, url]]."""
-    procs = [subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", ckpt, "--port", str(port),
-                               "--dtype", "float32", "--device", "cpu", "--max-len", "128", "--quant", quant],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-             for port in ports or [0] * n]
-    lines = [next((l for l in p.stdout if "ready at http://" in l), "") for p in procs]
-    assert all(lines), "a server did not start (its stderr is above)"
-    return [[p, l.split("ready at ")[1].split()[0]] for p, l in zip(procs, lines)]
-
-
-def stop(servers):
-    for p, _ in servers:
-        p.terminate()
-        p.wait(timeout=30)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the servers and ranks run with one thread too
 
 
 @pytest.fixture(scope="module")
@@ -67,20 +40,26 @@ def servers(ckpt):
     stop(servers)
 
 
+@pytest.fixture(params=["fp8", "fp8_fp4"])
+def quant_server(request, ckpt):
+    servers = start_servers(ckpt, quant=request.param)  # from a full-precision checkpoint: quantized at startup
+    yield request.param, servers[0][1]
+    stop(servers)
+
+
 def trained(step_seed):
     """The servers' starting weights (seed 0) after one AdamW step on a batch of its own."""
     model = randomize_(Transformer(copy.deepcopy(ARGS), dtype=torch.float32), 8, 2, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(0, ARGS.vocab_size, (4, 48), generator=torch.Generator().manual_seed(step_seed))
     torch.nn.functional.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
-    opt.step()
+    torch.optim.AdamW(model.parameters(), lr=1e-2).step()
     return model
 
 
 def logprob_diff(url, model, version=None):
     """Greedy samples from the server; max |server logprob - the model's forward logprob| over their tokens."""
-    worst = 0.0
-    for prompt, (s,) in zip(PROMPTS, RolloutClient(url).generate(PROMPTS, 1, {"temperature": 0, "max_new_tokens": 6}, 0)):
+    worst, groups = 0.0, RolloutClient(url).generate(PROMPTS, 1, {"temperature": 0, "max_new_tokens": 6}, 0)
+    for prompt, (s,) in zip(PROMPTS, groups):
         assert version is None or s["weight_version"] == version
         ids = torch.tensor(prompt + s["output_ids"])[None]
         with torch.no_grad():
@@ -96,8 +75,8 @@ def test_step_then_sync_logprobs_equal(mode, servers, tmp_path):
     assert logprob_diff(urls[0], model) > 1e-3  # the servers do not hold these weights yet
     stats = wsync.sync(model, GRID, RolloutClient(urls), ARGS, tmp_path / "w", mode=mode, version=f"{mode}-1",
                        bucket_mb=0.25, verify=True)
-    assert sorted(stats["names"]) == sorted(model.state_dict())  # every tensor, each once
-    assert stats["bytes"] == sum(v.nbytes for v in model.state_dict().values())
+    sd = model.state_dict()  # every tensor is sent, each once
+    assert sorted(stats["names"]) == sorted(sd) and stats["bytes"] == sum(v.nbytes for v in sd.values())
     assert mode == "disk" or stats["buckets"] > 2 and stats["max_bucket_bytes"] <= 1 << 18
     diffs = [logprob_diff(u, model, f"{mode}-1") for u in urls]
     print(f"{mode}: {stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.2f} s; server vs trainer logprobs "
@@ -116,13 +95,9 @@ def test_pp2_ep2_send_every_tensor_once_and_servers_equal(servers, tmp_path):
     full = parallel.build_stage(ARGS, GRID, dtype=torch.float32, seed=7).state_dict()  # what the 4 ranks hold
     for mode in ("disk", "distributed"):
         assert Counter(n for s in sent for n in s[mode]) == Counter(list(full)), mode
-    client = RolloutClient(urls)
-    for name, want in full.items():
-        got = client.get_weights_by_name(name, truncate_size=1 << 30)
+    for name, want in full.items():  # both servers hold exactly the trainer's tensors
+        got = RolloutClient(urls).get_weights_by_name(name, truncate_size=1 << 30)
         assert all(torch.equal(torch.tensor(got[u]), want.float()) for u in urls), name
-
-
-TABLE = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 
 
 def spec_dequant(q, s):
@@ -131,50 +106,40 @@ def spec_dequant(q, s):
     scale = 2.0 ** (s.view(torch.uint8).double() - 127)
     if q.dtype == torch.float8_e4m3fn:
         return q.double() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:q.shape[0], :q.shape[1]]
-    b = q.view(torch.uint8).long()
-    return torch.tensor(TABLE, dtype=torch.double)[torch.stack([b & 15, b >> 4], -1).flatten(1)] * \
+    b, table = q.view(torch.uint8).long(), [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    return torch.tensor(table, dtype=torch.double)[torch.stack([b & 15, b >> 4], -1).flatten(1)] * \
         scale.repeat_interleave(32, 1)
 
 
 def test_quant_table_follows_the_spec():
-    """§4.5: which tensors are FP8 / FP4; §4.2: their V4-Flash shapes on the wire."""
-    fp8 = ["layers.2.attn.wq_a.weight", "layers.2.attn.wkv.weight", "layers.2.attn.wo_a.weight",
-           "layers.2.attn.indexer.wq_b.weight", "layers.1.ffn.shared_experts.w2.weight", "mtp.0.h_proj.weight"]
-    plain = ["embed.weight", "head.weight", "layers.2.attn.compressor.wkv.weight", "layers.2.attn.indexer.weights_proj"
-             ".weight", "layers.2.attn.indexer.compressor.wgate.weight", "layers.0.ffn.gate.weight",
-             "layers.0.ffn.gate.tid2eid", "layers.3.ffn.gate.bias", "layers.0.attn_norm.weight", "layers.0.hc_attn_fn"]
-    assert all(quant_format(n, m) == "fp8" for n in fp8 for m in ("fp8", "fp8_fp4"))
-    assert all(quant_format(n, m) is None for n in plain for m in ("fp8", "fp8_fp4"))
+    """§4.5: which tensors are FP8 / FP4 (attn.wkv is, the compressors' wkv are not); §4.2: V4-Flash wire shapes."""
+    fp8 = "layers.2.attn.wq_a.weight layers.2.attn.wkv.weight layers.2.attn.wo_a.weight mtp.0.h_proj.weight " \
+          "layers.2.attn.indexer.wq_b.weight layers.1.ffn.shared_experts.w2.weight"
+    plain = "embed.weight head.weight layers.2.attn.compressor.wkv.weight layers.2.attn.indexer.weights_proj.weight " \
+            "layers.2.attn.indexer.compressor.wgate.weight layers.0.ffn.gate.weight layers.0.attn_norm.weight " \
+            "layers.0.hc_attn_fn layers.0.ffn.gate.tid2eid layers.3.ffn.gate.bias"
+    for m in ("fp8", "fp8_fp4"):
+        assert {quant_format(n, m) for n in fp8.split()} == {"fp8"}
+        assert {quant_format(n, m) for n in plain.split()} == {None}
     routed = "mtp.0.ffn.experts.5.w3.weight"
     assert [quant_format(routed, m) for m in ("none", "fp8", "fp8_fp4")] == [None, "fp8", "fp4"]
-    e8m0 = torch.float8_e8m0fnu
-    assert quantized_meta("layers.3.ffn.experts.0.w1.weight", (2048, 4096), torch.bfloat16, "fp8_fp4") == [
-        ("layers.3.ffn.experts.0.w1.weight", (2048, 2048), torch.int8), ("layers.3.ffn.experts.0.w1.scale", (2048, 128), e8m0)]
-    assert quantized_meta("layers.3.attn.wq_b.weight", (32768, 1024), torch.bfloat16, "fp8")[1] == \
-        ("layers.3.attn.wq_b.scale", (256, 8), e8m0)
+    w1, e8m0 = "layers.3.ffn.experts.0.w1.", torch.float8_e8m0fnu
+    assert quantized_meta(w1 + "weight", (2048, 4096), torch.bfloat16, "fp8_fp4") == [
+        (w1 + "weight", (2048, 2048), torch.int8), (w1 + "scale", (2048, 128), e8m0)]
+    assert quantized_meta("layers.3.attn.wq_b.weight", (32768, 1024), torch.bfloat16, "fp8")[1][1:] == ((256, 8), e8m0)
 
 
-@pytest.mark.parametrize("quant", ["fp8", "fp8_fp4"])
-def test_quantized_serving(quant, ckpt, tmp_path):
-    servers = start_servers(ckpt, quant=quant)  # from a full-precision checkpoint: quantized once at startup
-    try:
-        check_quantized_serving(quant, servers[0][1], tmp_path)
-    finally:
-        stop(servers)
-
-
-def check_quantized_serving(quant, url, tmp_path):
-    client, model = RolloutClient(url), trained(step_seed=3)
+def test_quantized_serving(quant_server, tmp_path):
+    (quant, url), model = quant_server, trained(step_seed=3)
+    client = RolloutClient(url)
     with pytest.raises(wsync.SyncError, match=f"serves {quant}: send quant.py's format"):  # not silently cast
         wsync.sync(model, GRID, client, ARGS, tmp_path / "plain", mode="disk", quant="none")
     for mode in ("distributed", "disk"):
         wsync.sync(model, GRID, client, ARGS, tmp_path / "w", mode=mode, version=f"{mode}-q", quant=quant,
                    bucket_mb=0.25, verify=True)  # verify: the first rows of every tensor, as sent
         ref = copy.deepcopy(model)  # the trainer's weights through the spec's dequantisation
-        with torch.no_grad():
-            for name, t in ref.state_dict().items():
-                if quant_format(name, quant):
-                    t.copy_(spec_dequant(*quantize_tensor(name, t, quant).values()))
+        ref.load_state_dict({n: spec_dequant(*quantize_tensor(n, t, quant).values()) if quant_format(n, quant) else t
+                             for n, t in ref.state_dict().items()})
         exact, vs_trainer = logprob_diff(url, ref, f"{mode}-q"), logprob_diff(url, model)
         print(f"{quant} ({mode}): server vs dequantised trainer {exact:.1e}, vs the full-precision trainer "
               f"{vs_trainer:.1e} (max |diff| of logprobs)")
@@ -187,7 +152,7 @@ def check_quantized_serving(quant, url, tmp_path):
     assert torch.equal(torch.tensor(got[1], dtype=torch.double), 2.0 ** (s.view(torch.uint8).double() - 127))
 
 
-def test_server_killed_mid_sync(servers, ckpt, tmp_path):
+def test_server_killed_mid_sync(servers, ckpt, tmp_path, monkeypatch):
     (_, url_a), (proc_b, url_b) = servers
     client, model = RolloutClient([url_a, url_b]), trained(step_seed=5)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -199,13 +164,11 @@ def test_server_killed_mid_sync(servers, ckpt, tmp_path):
             proc_b.kill()
             proc_b.wait()
         return post(client_, urls, path, *rest)
-    wsync.post = kill_at_second_bucket
-    try:
-        with pytest.raises(wsync.SyncError) as err:
-            wsync.sync(model, GRID, client, ARGS, tmp_path, mode="distributed", version="k-1", bucket_mb=0.25, timeout=30)
-    finally:
-        wsync.post = post
-    print(err.value)
+    monkeypatch.setattr(wsync, "post", kill_at_second_bucket)
+    with pytest.raises(wsync.SyncError) as err:
+        wsync.sync(model, GRID, client, ARGS, tmp_path, mode="distributed", version="k-1", bucket_mb=0.25, timeout=30)
+    monkeypatch.undo()
+    print(err.value)  # what the trainer prints
     assert f"down now: ['{url_b}']" in str(err.value) and url_b in err.value.urls
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the trainer's weights untouched
     assert client.stale == {url_a, url_b}  # both hold part of k-1: no rollouts from either
@@ -214,20 +177,20 @@ def test_server_killed_mid_sync(servers, ckpt, tmp_path):
     wsync.sync(model, GRID, client, ARGS, tmp_path, mode="distributed", version="k-2", timeout=30)  # B still down
     assert client.stale == {url_b} and logprob_diff(url_a, model, "k-2") <= 1e-5
     servers[1] = start_servers(ckpt, ports=[url_b.rsplit(":", 1)[1]])[0]  # B is back, with its old weights
-    assert client.stale == {url_b}
-    assert {s["url"] for (s,) in client.generate(PROMPTS, 1, {"max_new_tokens": 2}, 0)} == {url_a}
+    samples = client.generate(PROMPTS, 1, {"max_new_tokens": 2}, 0)
+    assert client.stale == {url_b} and {s["url"] for (s,) in samples} == {url_a}  # B waits for a full sync
     wsync.sync(model, GRID, client, ARGS, tmp_path, mode="distributed", version="k-3", verify=True, timeout=30)
     assert client.stale == set() and logprob_diff(url_b, model, "k-3") <= 1e-5
 
 
 def test_train_grpo_syncs_distributed_into_fp8_server(tmp_path):
-    """The trainer's own path: its embedded server serves fp8, a verified distributed sync follows every step,
-    and the second step's samples all carry the version the first sync stamped."""
-    cmd = [sys.executable, "train_grpo.py", f"--out_dir={tmp_path}", "--max_steps=2", "--n_prompts=2", "--n_samples=2",
-           "--max_new_tokens=4", "--format_warmup_steps=0", "--eval_interval=0", "--checkpoint_interval=0",
-           "--dynamic_sampling=False", "--weight_sync=distributed", "--rollout_quant=fp8", "--weight_sync_verify=True",
-           "--weight_sync_bucket_mb=1"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    """The trainer's path: an fp8 embedded server, a verified distributed sync after each step (2 steps)."""
+    cmd = [sys.executable, "train_grpo.py", f"--out_dir={tmp_path}", *"--max_steps=2 --n_prompts=2 --n_samples=2 "
+           "--max_new_tokens=4 --format_warmup_steps=0 --eval_interval=0 --checkpoint_interval=0 --dynamic_sampling"
+           "=False --weight_sync=distributed --rollout_quant=fp8 --weight_sync_verify=True --weight_sync_bucket_mb=1"
+           .split()]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0 and "weight sync, attempt" not in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
-    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["weight_version"] for r in recs] == [1, 2] and recs[0]["stale_samples"] == 4 and recs[1]["stale_samples"] == 0
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]  # step 1 sampled what the first sync sent
+    assert [(r["weight_version"], r["stale_samples"]) for r in recs] == [(1, 4), (2, 0)]
