@@ -1,8 +1,10 @@
 """FP8 / FP4 block quantization as used by DeepSeek-V4 (spec sections 2.7 and 4.3-4.5).
 
-Two uses:
+Uses:
   * checkpoint formats: FP8 e4m3 weights with one e8m0 scale per 128x128 block, and FP4 e2m1
     routed experts packed two per byte with one e8m0 scale per 32 inputs of a row;
+  * quantized serving (rollout_quant): which tensors are quantized, and what travels for them
+    (weight_sync.py sends it, server.py serves from it);
   * QAT simulations in the forward pass: quantize then dequantize activations along the last dim.
 
 Scales are powers of two stored as e8m0 (byte b means 2^(b-127), b=255 is NaN). We compute the
