@@ -167,12 +167,12 @@ def make_groups(grid, client, urls, token, timeout):
     GROUP.update(urls=tuple(urls), names=names)
 
 
-def teardown(grid, client, urls=()):
+def teardown(grid, client, urls=(), timeout=30):
     """Forget the groups: ours at once; rank 0 asks the servers in urls to drop theirs (best effort)."""
     if GROUP.get("pg") is not None:
         dist.destroy_process_group(GROUP["pg"])
     for name in GROUP.get("names", []) if grid.rank == 0 else []:
-        errors(post(client, urls, "/destroy_weights_update_group", {"group_name": name}, 30))
+        errors(post(client, urls, "/destroy_weights_update_group", {"group_name": name}, timeout))
     GROUP.clear()
 
 
@@ -251,7 +251,7 @@ def sync_distributed(model, grid, client, urls, token, quant, version, limit, ti
         errors(post(client, urls, "/continue_generation", {}, timeout))
         err = err or ended
     if err := agree(grid, err):
-        teardown(grid, client, urls)
+        teardown(grid, client, urls, min(timeout, 30))
         raise SyncError(*err)
 
 
