@@ -3,14 +3,17 @@ Benchmarks, each a ratio against a peer measured in the same run (never absolute
 
     python bench.py                          # training fwd+bwd, tiny config, CPU, vs transformers
     python bench.py --what=decode            # embedded engine decode vs transformers' generate, batch 64
+    python bench.py --what=sync --model=config/models/bench_2b.json --dtype=bfloat16   # weight sync vs file write / memcpy
     python bench.py --model=config/models/bench_2b.json --seq=4096 --batch=1 --dtype=bfloat16   # on a GPU
 
-Both models get the same weights (ours saved, transformers loads them) and the same inputs.
+Both models get the same weights (ours saved, transformers loads them) and the same inputs. The sync benchmark's
+peers are a plain file write and a memcpy of the same bytes, in the same run.
 """
 import argparse
 import contextlib
 import copy
 import logging
+import os
 import tempfile
 import time
 
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 from model_dsv4 import ModelArgs, Transformer, save_pretrained
 
 p = argparse.ArgumentParser()
-p.add_argument("--what", default="train", choices=["train", "decode"])
+p.add_argument("--what", default="train", choices=["train", "decode", "sync"])
 p.add_argument("--model", default="config/models/tiny.json")
 p.add_argument("--seq", type=int, default=256)
 p.add_argument("--batch", type=int, default=4)
@@ -28,6 +31,9 @@ p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 p.add_argument("--steps", type=int, default=5)
 p.add_argument("--new_tokens", type=int, default=64, help="decode: tokens generated per sequence")
 p.add_argument("--warmup", type=int, default=2)
+p.add_argument("--bucket_mb", type=float, default=512, help="sync: bucket size of the distributed transport")
+p.add_argument("--tmp", default=None, help="sync: directory for the disk transport (default: the system's temp dir)")
+p.add_argument("--layers", type=int, default=0, help="keep only the first N trunk layers (less memory; 0 = all)")
 cli = p.parse_args()
 
 
@@ -117,10 +123,73 @@ def bench_decode(ours, ref, args, device, versions):
           f"identical greedy outputs: {same}/{cli.batch} sequences")
 
 
+def bench_sync(args, dtype, device, versions):
+    """Weight sync into a running embedded server (a subprocess), per transport and serving format: seconds for
+    the whole sync call, as the trainer pays it. The floor for the same bytes: one file write, one memcpy."""
+    import subprocess, sys
+    import parallel, weight_sync as wsync
+    from quant import quantize_tensor
+    from rollout import RolloutClient
+    with torch.device("meta"):  # then materialised in dtype: no fp32 copy of a big model on the way
+        model = Transformer(copy.deepcopy(args), dtype=dtype)
+    model, grid, rows = model.to_empty(device=device), parallel.init_distributed(), []
+    model.init_weights(seed=0)
+    with tempfile.TemporaryDirectory(dir=cli.tmp) as d:
+        for quant in ("none", "fp8"):
+            wsync.save_weights(model, grid, f"{d}/start", args, quant)  # the server starts from the trainer's weights
+            gpus = torch.cuda.device_count() if device.type == "cuda" else 0  # NCCL: the server on a GPU of its own
+            assert gpus != 1, "the distributed transport over NCCL needs the server on another GPU: run with 2 GPUs"
+            proc = subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", f"{d}/start", "--port", "0",
+                                     "--dtype", cli.dtype, "--device", device.type, "--quant", quant, "--max-len", "256"],
+                                    stdout=subprocess.PIPE, text=True,
+                                    env=dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpus - 1)} if gpus else {})))
+            client = RolloutClient(next(l for l in proc.stdout if "ready at" in l).split("ready at ")[1].split()[0])
+            for i, mode in enumerate(["disk", "distributed", "distributed"]):  # the first distributed makes the groups
+                st = wsync.sync(model, grid, client, args, f"{d}/sync", mode=mode, version=str(i), quant=quant,
+                                bucket_mb=cli.bucket_mb, timeout=1800)
+                rows.append((mode + (" (+ groups)" if i == 1 else ""), quant, st["bytes"], st["seconds"]))
+            proc.terminate()
+            proc.wait()
+        sync(device)
+        t0 = time.perf_counter()  # what the fp8 rows pay before any byte moves
+        nq = sum(q.nbytes for k, v in model.state_dict().items() for q in quantize_tensor(k, v, "fp8").values())
+        sync(device)
+        rows.append(("quantize only (quant.py)", "fp8", nq, time.perf_counter() - t0))
+        n = rows[0][2]  # the model's bytes as the trainer holds them
+        chunk = torch.ones(min(n, 512 << 20), dtype=torch.uint8)
+        sync(device)
+        t0 = time.perf_counter()
+        with open(f"{d}/plain", "wb") as f:  # no fsync, as the disk transport (safetensors) does not either
+            for i in range(0, n, len(chunk)):
+                f.write(memoryview(chunk.numpy())[:n - i])
+        rows.append(("file write", "-", n, time.perf_counter() - t0))
+        dst = torch.zeros_like(chunk, device=device)  # touched: no page faults in the timing
+        sync(device)
+        t0 = time.perf_counter()
+        for i in range(0, n, len(chunk)):
+            dst[:n - i].copy_(chunk[:n - i])
+        sync(device)
+        rows.append(("memcpy", "-", n, time.perf_counter() - t0))
+    print(f"weight sync, {cli.model}{f' (first {cli.layers} layers)' if cli.layers else ''} "
+          f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters), "
+          f"{cli.dtype}, trainer and one embedded server on this machine, buckets of {cli.bucket_mb:g} MB, {versions}")
+    print(f"  {'transport':24s} {'serving':8s} {'GB moved':>9s} {'seconds':>8s} {'GB/s':>7s}")
+    for what, quant, nbytes, t in rows:
+        print(f"  {what:24s} {quant:8s} {nbytes / 1e9:9.3f} {t:8.2f} {nbytes / 1e9 / t:7.2f}")
+
+
 if __name__ == "__main__":
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cli.dtype)
     args = ModelArgs.from_json(cli.model)
+    if cli.layers:
+        n, args.num_hidden_layers = args.num_hidden_layers, cli.layers
+        args.compress_ratios = args.compress_ratios[:cli.layers] + args.compress_ratios[n:]  # MTP's entries stay
+        args.num_hash_layers = min(args.num_hash_layers, cli.layers)
+    if cli.what == "sync":
+        dev = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+        bench_sync(args, dtype, device, f"{dev}, torch {torch.__version__}")
+        raise SystemExit
     args.num_nextn_predict_layers = 0  # transformers has no MTP; compare the trunk
     args.compress_ratios = args.compress_ratios[:args.num_hidden_layers]
     torch.manual_seed(0)

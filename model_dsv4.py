@@ -754,7 +754,7 @@ def load_state_dict(path, names=None):
     """Tensors of a checkpoint directory by official name (all, or just `names`), with FP8 weights (.scale)
     and packed FP4 routed experts dequantised to fp32. Only the requested tensors are read."""
     from safetensors import safe_open
-    from quant import fp8_block_dequantize, fp4_dequantize
+    from quant import dequantize
     index = checkpoint_index(path)
     names = [k for k in index if not (k.endswith(".scale") and k[:-5] + "weight" in index)] if names is None else names
     handles, sd = {}, {}
@@ -765,12 +765,10 @@ def load_state_dict(path, names=None):
         v = read(k)
         scale_name = k[:-len("weight")] + "scale" if k.endswith(".weight") else None
         if scale_name in index:
-            if v.dtype == torch.float8_e4m3fn:
-                v = fp8_block_dequantize(v, read(scale_name))
-            elif v.dtype == torch.int8:
-                v = fp4_dequantize(v, read(scale_name))
-            else:
-                raise ValueError(f"{k}: has a .scale but dtype {v.dtype} is neither float8_e4m3fn nor int8 (packed FP4)")
+            try:
+                v = dequantize(v, read(scale_name))
+            except ValueError as e:
+                raise ValueError(f"{k}: {e}")
         sd[k] = v
     return sd
 

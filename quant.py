@@ -1,14 +1,18 @@
 """FP8 / FP4 block quantization as used by DeepSeek-V4 (spec sections 2.7 and 4.3-4.5).
 
-Two uses:
+Uses:
   * checkpoint formats: FP8 e4m3 weights with one e8m0 scale per 128x128 block, and FP4 e2m1
     routed experts packed two per byte with one e8m0 scale per 32 inputs of a row;
+  * quantized serving (rollout_quant): which tensors are quantized, and what travels for them
+    (weight_sync.py sends it, server.py serves from it);
   * QAT simulations in the forward pass: quantize then dequantize activations along the last dim.
 
 Scales are powers of two stored as e8m0 (byte b means 2^(b-127), b=255 is NaN). We compute the
 exponent ourselves: torch's float -> float8_e8m0fnu cast rounds to the nearest power of two
 (1.25 -> 1), but the reference wants 2^ceil(log2(amax/qmax)), so that amax/scale never exceeds qmax.
 """
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -188,3 +192,59 @@ def hadamard(x):
         y = torch.stack([a + b, a - b], dim=-2)
         h *= 2
     return (y.reshape(x.shape) * n**-0.5).to(x.dtype)
+
+
+# -----------------------------------------------------------------------------
+# which tensors are quantized, and how they travel (spec §4.3-4.5): the name table of quantized serving
+
+FP8_WEIGHTS = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123]|e_proj|h_proj)\.weight$")
+FP4_WEIGHTS = re.compile(r"\.experts\.\d+\.w[123]\.weight$")  # routed experts (not shared_experts)
+QUANT_MODES = ("none", "fp8", "fp8_fp4")
+
+
+def quant_format(name, mode):
+    """How an official tensor name is served under rollout_quant=mode: 'fp8', 'fp4' or None (as it is).
+    fp8 serves routed experts in FP8 too (SGLANG_DSV4_FP4_EXPERTS=0, the FP8 repack); fp8_fp4 in FP4, as
+    the official checkpoint ships them. Everything else (norms, router, compressors, mHC, tid2eid) stays."""
+    if mode not in QUANT_MODES:
+        raise ValueError(f"rollout_quant must be one of {QUANT_MODES}, got {mode!r}")
+    if mode != "none" and FP4_WEIGHTS.search(name):
+        return "fp4" if mode == "fp8_fp4" else "fp8"
+    return "fp8" if mode != "none" and FP8_WEIGHTS.search(name) else None
+
+
+def scale_name(name):
+    return name[:-len("weight")] + "scale"  # official naming: layers.0.attn.wq_a.scale, no weight_scale_inv
+
+
+def quantized_meta(name, shape, dtype, mode):
+    """[(name, shape, dtype)] of what travels for one tensor: itself, or its quantized weight and .scale."""
+    fmt, (o, i) = quant_format(name, mode), shape if len(shape) == 2 else (0, 0)
+    if fmt == "fp8":
+        return [(name, (o, i), torch.float8_e4m3fn), (scale_name(name), (-(-o // 128), -(-i // 128)), torch.float8_e8m0fnu)]
+    if fmt == "fp4":
+        return [(name, (o, i // 2), torch.int8), (scale_name(name), (o, i // 32), torch.float8_e8m0fnu)]
+    return [(name, tuple(shape), dtype)]
+
+
+def quantize_tensor(name, t, mode):
+    """{name: t}, or the official quantized pair {name: weight, name.scale: e8m0 scale}."""
+    fmt = quant_format(name, mode)
+    if fmt is None:
+        return {name: t}
+    q, s = fp8_block_quantize(t) if fmt == "fp8" else fp4_quantize(t)
+    return {name: q, scale_name(name): s}
+
+
+def dequantize(q, scale, dtype=torch.float32):
+    """An FP8 (e4m3) or packed FP4 (int8) weight and its scale -> the weight in dtype (exact: powers of two)."""
+    if q.dtype == torch.float8_e4m3fn:
+        return fp8_block_dequantize(q, scale, dtype)
+    if q.dtype == torch.int8:
+        return fp4_dequantize(q, scale, dtype)
+    raise ValueError(f"a weight with a .scale must be float8_e4m3fn or int8 (packed FP4), got {q.dtype}")
+
+
+def as_bytes(t):
+    """1-byte float formats viewed as uint8, for transports without float8 (gloo): the bytes are the format."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t

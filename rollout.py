@@ -86,7 +86,8 @@ class RolloutClient:
     a 5xx takes a URL out of rotation for backoff * 2^(k-1) seconds after its k-th failure in a row (at most
     max_backoff), and the request moves to another URL; a request that failed 1 + `retries` times raises,
     naming every URL and its last error. generate() starts with a health check of every URL. A 4xx is a
-    bad request, not a bad server: it raises at once."""
+    bad request, not a bad server: it raises at once. URLs in `stale` (a weight sync did not reach them,
+    weight_sync.py) get no requests until a full sync does, however healthy they are."""
 
     def __init__(self, urls, api_key=None, timeout=3600.0, max_concurrency=256, retries=4, backoff=0.5,
                  max_backoff=30.0):
@@ -101,6 +102,7 @@ class RolloutClient:
         self.down_until = dict.fromkeys(self.urls, 0.0)  # time.monotonic() before which a URL is skipped
         self.last_error = dict.fromkeys(self.urls)
         self.turn = 0
+        self.stale = set()
 
     # ------------------------------------------------------------------ HTTP
     def _http(self, url, method, path, body=None, timeout=None):
@@ -151,8 +153,9 @@ class RolloutClient:
         keys = prompt_keys if prompt_keys is not None else list(range(len(prompts)))
         bodies = [{"input_ids": list(p), "sampling_params": {**params, "sampling_seed": sample_seed(seed, keys[i], j)},
                    "return_logprob": True, "rid": f"{tag}-{i}-{j}"} for i, p in enumerate(prompts) for j in range(n)]
-        if not any(self.health().values()):
-            raise self._unreachable("no server passed GET /health")
+        if not any(ok for u, ok in self.health().items() if u not in self.stale):
+            raise self._unreachable(f"no server passed GET /health, or holds the current weights (stale: "
+                                    f"{sorted(self.stale)})")
         flat = asyncio.run(self._generate_all(bodies, desc))
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
 
@@ -191,12 +194,13 @@ class RolloutClient:
         """The URL for the next attempt, waiting out the backoffs when every URL is out."""
         while True:
             now = time.monotonic()
-            up = [u for u in self.urls if self.down_until[u] <= now]
+            fresh = [u for u in self.urls if u not in self.stale]
+            up = [u for u in fresh if self.down_until[u] <= now]
             if up:
                 self.turn += 1
                 k = self.turn % len(up)
                 return min(up[k:] + up[:k], key=self.outstanding.get)  # min keeps the first of equals: turns
-            await asyncio.sleep(min(self.down_until.values()) - now)
+            await asyncio.sleep(min(self.down_until[u] for u in fresh) - now)
 
     # ------------------------------------------------------------------ admin, on every server
     def wait_ready(self, timeout=600.0):
@@ -286,11 +290,12 @@ def init_weight_update_group(master_address, master_port, rank, world_size, grou
     rendezvous whose store (hosted by rank 0, the trainer) is wrapped in PrefixStore(group_name). A plain
     init_process_group would not meet SGLang, whose store keys carry that prefix. Both sides call this."""
     from datetime import timedelta
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
     timeout = timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The store tcp:// rendezvous makes, built directly: under torchrun, rendezvous() would make rank 0 a client
+    # of torchrun's own store (TORCHELASTIC_USE_AGENT_STORE), and wait for a server that never comes.
+    store = TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                          group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group rank == rank in the group
@@ -307,6 +312,8 @@ if __name__ == "__main__":
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on the ready line)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--quant", default="none", choices=["none", "fp8", "fp8_fp4"],
+                   help="serve from the official FP8 (and FP4 routed experts) tensors (server.py)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-batch", type=int, default=64)

@@ -6,6 +6,12 @@ engine.py's: one scheduler thread runs engine.run_forever and batches whatever t
     python rollout.py --serve --model out/ckpt --port 30000 --dtype float32 --device cpu
     srv = server.start(model_or_checkpoint_dir, port=0); srv.url; srv.close()     # in-process (trainer, tests)
 
+Quantized serving (--quant fp8 | fp8_fp4, quant.py's table): the server holds the official quantized tensors
+(e4m3 128x128 blocks or packed e2m1 per-32, with e8m0 `.scale`s) exactly as they arrive, and computes with
+weights dequantised from them: the derived state, rebuilt by /end_weight_update (at once after a disk update).
+Senders must quantize (a full-precision tensor sent for a quantized weight is refused, not cast); a
+full-precision checkpoint at startup is quantized once here, as SGLang's online --quantization fp8 does.
+
 Not implemented: text prompts and stop strings (no tokenizer), streaming, input/top logprobs, penalties and
 constrained decoding (400 with a message), /update_weights_from_tensor (404).
 """
@@ -27,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from engine import Engine, SamplingParams
-from model_dsv4 import canonical_name, from_pretrained, load_state_dict
+from model_dsv4 import canonical_name, checkpoint_index, from_pretrained, load_state_dict
+from quant import as_bytes, dequantize, e8m0_to_float, quant_format, quantize_tensor, quantized_meta, scale_name
 from rollout import init_weight_update_group
 
 MAX_BODY = 64 << 20  # bytes; a batch of 64 prompts x 4096 tokens is ~2 MB of JSON
@@ -104,8 +111,13 @@ class Server:
     """What the handler threads share: the model, the engine and its scheduler thread, the weight-update
     session and process groups. One method per endpoint: (JSON body, handler) -> JSON-able answer."""
 
-    def __init__(self, model, model_path="", api_key=None, max_batch=64, max_len=4096):
+    def __init__(self, model, model_path="", api_key=None, max_batch=64, max_len=4096, quant="none"):
         self.model, self.model_path, self.api_key, self.max_len = model, model_path, api_key, max_len
+        # quantized serving: {name: (shape, dtype)} of every quantized weight and scale; qstate holds them as
+        # sent; `dirty` names arrived since the compute weights were last rebuilt from them
+        self.quant, self.qstate, self.dirty = quant, {}, set()
+        self.qformats = {n: (s, d) for k, v in model.state_dict().items() if quant_format(k, quant)
+                         for n, s, d in quantized_meta(k, tuple(v.shape), v.dtype, quant)}
         self.engine = Engine(model, max_batch=max_batch, max_len=max_len)
         self.vocab = self.engine.vocab_size
         self.stop = threading.Event()
@@ -280,30 +292,50 @@ class Server:
             if not self.session:
                 fail("no weight update session is open: call begin_weight_update() first")
             self.session = False
-        return {"success": True, "message": "weight update session closed"}
+            n = self.rebuild()
+        return {"success": True, "message": f"weight update session closed; {n} quantized weights rebuilt"}
+
+    def rebuild(self):
+        """The derived state of quantized serving: compute weights = dequantize(weight, scale) for every pair
+        that changed. Both halves of a pair must have arrived: a new weight with an old scale is a wrong model."""
+        weights = {k if k.endswith(".weight") else k[:-len("scale")] + "weight" for k in self.dirty}
+        torn = sorted(w for w in weights if not {w, scale_name(w)} <= self.dirty)
+        self.dirty = set()
+        if torn:
+            fail(f"quantized weights updated without their scale, or scales without their weight: {torn[:8]}")
+        self.engine.load_weights({w: dequantize(self.qstate[w], self.qstate[scale_name(w)]) for w in weights})
+        return len(weights)
 
     def checked(self, named, every):
         """Names and shapes checked for all tensors before anything is copied, so that a failed update
         leaves the old weights. `every`: a whole checkpoint must cover the model."""
-        expected = self.model.state_dict()
+        expected = {k: (tuple(v.shape), None) for k, v in self.model.state_dict().items() if k not in self.qformats}
+        expected.update(self.qformats)  # quantized: the exact format (a full-precision tensor there is refused)
         named = {canonical_name(k): v for k, v in named.items()}
         unknown = sorted(set(named) - set(expected))
         missing = sorted(set(expected) - set(named)) if every else []
-        shapes = [f"{k}: {tuple(v.shape)} vs model {tuple(expected[k].shape)}" for k, v in named.items()
-                  if k in expected and v.shape != expected[k].shape]
+        shapes = [f"{k}: {tuple(v.shape)} {str(v.dtype)[6:]} vs served {expected[k][0]} "
+                  f"{str(expected[k][1] or 'any dtype')[6:]}" for k, v in named.items() if k in expected and
+                  (tuple(v.shape) != expected[k][0] or expected[k][1] not in (None, v.dtype))]
         if unknown or missing or shapes:
-            raise ValueError(f"unknown names {unknown[:8]}, missing {missing[:8]}, mis-shaped {shapes[:8]}")
+            raise ValueError((f"this server serves {self.quant}: send quant.py's format; " if self.quant != "none" else "")
+                             + f"unknown names {unknown[:8]}, missing {missing[:8]}, mis-shaped {shapes[:8]}")
         return named
 
-    def load(self, named, version, flush):
+    def load(self, named, version, flush, rebuild=False):
         """Swap weights and version together: the loop is held (paused) so no request finishes in between
-        with new weights under the old version. engine.load_weights casts to the model's dtypes."""
+        with new weights under the old version. engine.load_weights casts to the model's dtypes. Quantized
+        tensors are kept as sent; their compute weights follow at rebuild (now, or at end_weight_update)."""
         check(version is None or isinstance(version, str), "weight_version must be a string")
         with self.admin:
             was_paused = self.engine.paused
             self.engine.pause()
             try:
-                self.engine.load_weights(named)
+                self.engine.load_weights({k: v for k, v in named.items() if k not in self.qformats})
+                self.qstate.update({k: v.to(self.engine.device) for k, v in named.items() if k in self.qformats})
+                self.dirty.update(k for k in named if k in self.qformats)
+                if rebuild:
+                    self.rebuild()
                 if version is not None:
                     self.engine.weight_version = version
             finally:
@@ -317,12 +349,12 @@ class Server:
         path = body.get("model_path")
         check(isinstance(path, str) and path, "model_path (a checkpoint directory) is required")
         try:
-            named = self.checked(load_state_dict(path), every=True)
+            named = self.checked(read_checkpoint(path, self.qformats), every=True)
         except Exception as e:  # no such directory, unreadable file, a checkpoint of another shape
             fail(f"failed to load {path}: {type(e).__name__}: {e}; the old weights are still in place")
         if body.get("abort_all_requests", False):
             self.engine.abort_all()
-        self.load(named, body.get("weight_version"), body.get("flush_cache", True))
+        self.load(named, body.get("weight_version"), body.get("flush_cache", True), rebuild=True)
         return {"success": True, "message": f"loaded {len(named)} tensors from {path}", "num_paused_requests": 0}
 
     def update_weight_version(self, body, handler):
@@ -336,9 +368,11 @@ class Server:
     def get_weights_by_name(self, body, handler):
         name, n = body.get("name"), body.get("truncate_size", 100)
         check(isinstance(name, str) and is_int(n) and n >= 0, "name (a string) and truncate_size (an int >= 0)")
-        t = self.model.state_dict().get(canonical_name(name))
+        name = canonical_name(name)
+        t = self.qstate[name] if name in self.qstate else self.model.state_dict().get(name)  # quantized: as stored
         check(t is not None, f"no parameter named {name!r}")
-        return t[:n].float().tolist()  # as SGLang's tolist()[:n]: n elements of a 1-D tensor, n rows of a 2-D one
+        # as SGLang's tolist()[:n]: n elements of a 1-D tensor, n rows of a 2-D one
+        return (e8m0_to_float(t[:n]) if t.dtype == torch.float8_e8m0fnu else t[:n].float()).tolist()
 
     # ------------------------------------------------------------------ distributed weight sync (§2.2)
     def init_weights_update_group(self, body, handler):
@@ -374,9 +408,14 @@ class Server:
         group, backend = self.groups[name]
         device = "cpu" if backend == "gloo" else self.engine.device
         received = {}
-        for n, dt, shape in zip(names, dtypes, shapes):  # the trainer broadcasts in this same order
-            received[n] = torch.empty(shape, dtype=dt, device=device)
-            dist.broadcast(received[n], src=0, group=group)
+        try:
+            for n, dt, shape in zip(names, dtypes, shapes):  # the trainer broadcasts in this same order
+                received[n] = torch.empty(shape, dtype=dt, device=device)
+                dist.broadcast(as_bytes(received[n]), src=0, group=group)  # float8 travels as bytes (gloo)
+        except Exception as e:  # a peer died or timed out: the group is unusable; the trainer makes a new one
+            with self.admin:
+                self.groups.pop(name, None)
+            fail(f"broadcast in group {name!r} failed: {type(e).__name__}: {e}")
         try:  # checked only now: the broadcasts had to be received either way, or the trainer would hang
             named = self.checked(received, every=False)
         except ValueError as e:
@@ -495,8 +534,26 @@ class HTTPServer(ThreadingHTTPServer):
         self.app.close()
 
 
+def read_raw(path, names):
+    """The tensors of a checkpoint named in `names`, as stored (no dequantisation)."""
+    from safetensors import safe_open
+    index, out = checkpoint_index(path), {}
+    for file in {index[k][0] for k in names if k in index}:
+        with safe_open(file, framework="pt") as f:
+            out.update({k: f.get_tensor(index[k][1]) for k in names if index.get(k, ("",))[0] == file})
+    return out
+
+
+def read_checkpoint(path, qformats):
+    """A checkpoint's tensors by official name: those served quantized as stored (weight and .scale), the rest
+    as model_dsv4.load_state_dict gives them (FP8 / FP4 dequantised: this server does not serve them so)."""
+    index = checkpoint_index(path)
+    plain = [k for k in index if k not in qformats and not (k.endswith(".scale") and k[:-5] + "weight" in index)]
+    return {**load_state_dict(path, plain), **read_raw(path, qformats)}
+
+
 def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None, api_key=None, max_batch=64,
-          max_len=4096, background=True):
+          max_len=4096, background=True, quant="none"):
     """Serve a model_dsv4.Transformer, or a checkpoint directory loaded with from_pretrained. Returns the
     HTTPServer (its .url, .close()), serving from a thread of its own, or not yet with background=False."""
     path = model if isinstance(model, str) else ""
@@ -504,7 +561,16 @@ def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = from_pretrained(path, device=device, dtype=dtype)
     httpd = HTTPServer((host, port), Handler)
-    httpd.app = Server(model, path, api_key, max_batch, max_len)
+    httpd.app = app = Server(model, path, api_key, max_batch, max_len, quant)
+    if app.qformats:  # the quantized state: the checkpoint's own (official format), else quantized here, once
+        stored = read_raw(path, app.qformats) if path else {}
+        named = {}
+        for k, v in model.state_dict().items():
+            if quant_format(k, quant):
+                pair = {n: stored[n] for n in (k, scale_name(k)) if n in stored}
+                named.update(pair if len(pair) == 2 and pair[k].dtype == app.qformats[k][1] else
+                             quantize_tensor(k, v.float(), quant))
+        app.load(app.checked(named, every=False), None, flush=False, rebuild=True)
     httpd.app.loop.start()
     if background:
         threading.Thread(target=httpd.serve_forever, daemon=True, name="http").start()
@@ -531,12 +597,12 @@ def exit_with(pid):
 def serve(args):
     """`python rollout.py --serve ...`: one ready line with the URL, then serve until Ctrl-C or SIGTERM."""
     httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
-                  args.max_batch, args.max_len, background=False)
+                  args.max_batch, args.max_len, background=False, quant=args.quant)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
     if args.parent_pid:  # an embedded server outliving its trainer would hold the port and the memory
         threading.Thread(target=exit_with, args=(args.parent_pid,), daemon=True, name="parent-watch").start()
     print(f"rollout server ready at {httpd.url} (model {os.path.abspath(args.model)}, {args.dtype}, "
-          f"{httpd.app.engine.device}, pid {os.getpid()})", flush=True)
+          f"quant {args.quant}, {httpd.app.engine.device}, pid {os.getpid()})", flush=True)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

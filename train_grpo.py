@@ -69,7 +69,9 @@ dist_timeout = 600  # seconds before a stuck collective fails
 # rollout
 rollout_url = ''  # '' = start the embedded server; else comma-separated SGLang URLs
 rollout_api_key = ''
-weight_sync = 'disk'  # 'disk' | 'distributed' | 'tensor' (weight_sync.py)
+weight_sync = 'disk'  # 'disk' | 'distributed' (weight_sync.py; 'tensor' is not implemented)
+weight_sync_bucket_mb = 512  # distributed: bytes per broadcast bucket, the most one rank gathers at a time
+weight_sync_verify = False  # after each sync, check every tensor's first rows on every server against what was sent
 rollout_quant = 'none'  # 'none' | 'fp8' | 'fp8_fp4': what the rollout engine serves
 rollout_max_batch = 64
 # data and sampling
@@ -197,14 +199,14 @@ sync_dir = os.path.join(out_dir, 'weights')
 os.makedirs(out_dir, exist_ok=True)
 server = None
 if not rollout_url:
-    wsync.save_weights(model, grid, sync_dir, args)  # the server starts from the trainer's weights
+    wsync.save_weights(model, grid, sync_dir, args, quant=rollout_quant)  # the server starts from the trainer's weights
     if master:
         with socket.socket() as s:
             s.bind(('127.0.0.1', 0))
             port = s.getsockname()[1]
         cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'rollout.py'), '--serve',
                '--model', sync_dir, '--port', str(port), '--dtype', dtype, '--max-batch', str(rollout_max_batch),
-               '--max-len', str(max_prompt_len + max_new_tokens), '--parent-pid', str(os.getpid())]
+               '--max-len', str(max_prompt_len + max_new_tokens), '--parent-pid', str(os.getpid()), '--quant', rollout_quant]
         print0(f"starting the embedded rollout server: {' '.join(cmd)}")
         server = subprocess.Popen(cmd, start_new_session=True)
         atexit.register(lambda: server.poll() is None and server.kill())
@@ -310,10 +312,18 @@ if wandb_log and is_logger:
 
 
 def sync_weights():
-    """Push the trainer's weights to every rollout server; the next rollouts carry the new version."""
+    """Push the trainer's weights to every rollout server that is up; the next rollouts carry the new version. A
+    server that fails mid-sync is named and gets no rollouts until a sync completes there: the others are synced
+    again at once, and each later sync retries it (weight_sync.py)."""
     global weight_version
     weight_version += 1
-    return wsync.sync(model, grid, client, args, sync_dir, mode=weight_sync, version=str(weight_version))
+    for attempt in (1, 2):
+        try:
+            return wsync.sync(model, grid, client, args, sync_dir, mode=weight_sync, version=str(weight_version),
+                              quant=rollout_quant, bucket_mb=weight_sync_bucket_mb, verify=weight_sync_verify,
+                              timeout=dist_timeout)
+        except wsync.SyncError as e:
+            print0(f"weight sync, attempt {attempt}: {e}")
 
 
 if data == 'toy' and format_warmup_steps and start_step == 0:

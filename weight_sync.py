@@ -1,20 +1,47 @@
 """
-Weight sync from the trainer to the rollout servers, and the shared writer of official-name safetensors shards
-(checkpoints use it too).
+Weight sync from the trainer to the rollout servers, SGLang or the embedded one (the same HTTP protocol,
+../shared/docs/sglang_api.md §2), and the writer of official-name safetensors shards (checkpoints use it too).
 
-Names: the trainer's parameter names *are* the official checkpoint names (model_dsv4.py), so the name table is
-the identity. Each tensor has exactly one writer: dense tensors come from DP rank 0 of their pipeline stage,
-routed experts from the ranks of the first EP group (edp rank 0), which together hold every expert once.
-Buffers (the hash table tid2eid, the router bias) travel with the parameters: a table synced as zeros is a
-different model.
+Names: trainer parameter names *are* the official checkpoint names (model_dsv4.py): the name table is the identity.
+quant.py's table adds which tensors travel quantized for rollout_quant = fp8 | fp8_fp4 (the official e4m3 / e2m1
+weight plus its e8m0 `.scale`, made on the sending rank). Buffers (tid2eid, the router bias) always travel.
 
-Transports (config key weight_sync_mode):
-  disk         every writer saves its shard, then POST /update_weights_from_disk on every server.
+Transports (config key weight_sync):
+  disk         each tensor's one writer saves it (dense: DP rank 0 of its stage; routed experts: the first EP
+               group), then POST /update_weights_from_disk on every server.
+  distributed  one weight-update group per PP stage, its sender (the stage's DP rank 0) is rank 0 and server i
+               holds the ranks after servers 0..i-1 (1 + their tp sizes). On every server: pause (retract) ->
+               flush -> begin -> per bucket POST /update_weights_from_distributed + broadcast -> end (quantized
+               servers rebuild their compute weights) -> continue. Stages send one after the other; a stage's EP
+               ranks hand their experts to its sender a bucket at a time (at most bucket_mb more on any rank).
+  tensor       not implemented (CUDA-IPC handles, for engines colocated with the trainer).
+
+Failure: a server that dies or times out raises SyncError on every trainer rank, naming it. The trainer's weights
+are only read. The servers a sync did not complete on, and those that were down, go into client.stale (no rollouts)
+until a later sync reaches them in full; every sync goes to every server that is up.
 """
 import json
 import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future
 
+import torch
 import torch.distributed as dist
+
+from quant import as_bytes, e8m0_to_float, quantize_tensor, quantized_meta
+from rollout import RETRYABLE, error_message, init_weight_update_group
+
+GROUP = {}  # this rank's live weight-update groups: "urls", "names" (one per stage), "pg" (stage senders only)
+
+
+class SyncError(RuntimeError):
+    """A sync that did not complete; .urls: the servers it failed on."""
+    def __init__(self, message, urls):
+        super().__init__(message)
+        self.urls = urls
 
 
 def my_tensors(model, grid):
@@ -23,19 +50,22 @@ def my_tensors(model, grid):
             if (grid.edp_rank == 0 if ".experts." in k else grid.dp_rank == 0)}
 
 
-def save_weights(model, grid, path, args):
-    """Every writer saves model-rank{r}-of{w}.safetensors into path; rank 0 adds config.json and the index
-    (so transformers' from_pretrained reads it too). Collective over the world."""
+def save_weights(model, grid, path, args, quant="none"):
+    """Every writer saves model-rank{r}-of{w}.safetensors into path, quantized for rollout_quant; rank 0 adds
+    config.json and the index (transformers' from_pretrained reads it too). Collective. -> (the first rows of
+    what this rank wrote, for verify; its bytes)."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
-    mine = {k: v.detach().contiguous().cpu() for k, v in my_tensors(model, grid).items()}
+    mine = {n: q.contiguous().cpu() for k, v in my_tensors(model, grid).items()
+            for n, q in quantize_tensor(k, v.detach(), quant).items()}
     fname = f"model-rank{grid.rank:05d}-of-{grid.world_size:05d}.safetensors"
+    nbytes = sum(v.nbytes for v in mine.values())
     if mine:
         save_file(mine, os.path.join(path, fname), metadata={"format": "pt"})
-    names = [(list(mine), fname, sum(v.nbytes for v in mine.values()))]
+    names = [(list(mine), fname, nbytes)]
     if grid.world_size > 1:
         names = [None] * grid.world_size
-        dist.all_gather_object(names, (list(mine), fname, sum(v.nbytes for v in mine.values())))
+        dist.all_gather_object(names, (list(mine), fname, nbytes))
     if grid.rank == 0:
         index = {k: f for keys, f, _ in names for k in keys}
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
@@ -44,14 +74,240 @@ def save_weights(model, grid, path, args):
             json.dump(args.to_json(), f, indent=1)
     if grid.world_size > 1:
         dist.barrier()
+    return {k: v[:2].clone() for k, v in mine.items()}, nbytes
 
 
-def sync(model, grid, client, args, path, mode="disk", version="1"):
-    """Push the current weights to every server in client; the servers stamp `version` on what they generate."""
-    if mode != "disk":
-        raise ValueError(f"weight_sync_mode '{mode}' is not available yet (have: disk)")
-    save_weights(model, grid, path, args)
-    if grid.rank == 0:
-        client.update_weights_from_disk(os.path.abspath(path), weight_version=version)
-    if grid.world_size > 1:
-        dist.barrier()
+# -----------------------------------------------------------------------------
+# helpers: calls to a set of servers, agreement across the trainer's ranks
+
+def background(fn, *args):
+    """fn(*args) in a daemon thread (a call stuck on a dead peer must not keep the trainer alive) -> Future."""
+    fut = Future()
+    def run():
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:
+            fut.set_exception(e)
+    threading.Thread(target=run, daemon=True).start()
+    return fut
+
+
+def post(client, urls, path, body, timeout):
+    """POST on every url at once (body: one dict, or {url: dict}) -> {url: Future of its error, None if fine}."""
+    def one(url):
+        try:
+            status, out = client._http(url, "POST", path, body.get(url, body), timeout=timeout)
+        except RETRYABLE as e:
+            return f"{path}: {type(e).__name__}: {e}"
+        if status != 200 or (isinstance(out, dict) and out.get("success") is False):
+            return f"{path}: HTTP {status}: {error_message(out)}"
+    return {u: background(one, u) for u in urls}
+
+
+def errors(futures, wait=None):
+    """{url: Future} -> {url: error} of the calls that failed, or did not answer within `wait` seconds."""
+    deadline, out = time.time() + (wait or 0), {}
+    for url, fut in futures.items():
+        try:
+            out[url] = fut.result(None if wait is None else max(0.0, deadline - time.time()))
+        except TimeoutError:
+            out[url] = f"no answer {wait} s after the failure (blocked on the broken group)"
+    return {u: e for u, e in out.items() if e}
+
+
+def failed(errs, what):
+    """{url: error} -> the error that agree() passes around, (message, urls), or None."""
+    return (what + "".join(f"\n  {u}: {e}" for u, e in errs.items()), [u for u in errs if "://" in u]) if errs else None
+
+
+def agree(grid, err, src=None):
+    """Every rank's error (None if fine) -> the first one, on every rank; or rank src's value to all. All ranks
+    go on or stop together: none waits in a collective that the others left."""
+    if grid.world_size == 1:
+        return err
+    box = [err] if src is not None else [None] * grid.world_size
+    dist.broadcast_object_list(box, src=src) if src is not None else dist.all_gather_object(box, err)
+    return box[0] if src is not None else next((e for e in box if e), None)
+
+
+# -----------------------------------------------------------------------------
+# the distributed transport
+
+def make_groups(grid, client, urls, token, timeout):
+    """One group per PP stage, made stage after stage: a server (SGLang's scheduler) joins one group at a time,
+    so servers taking the stages' groups in different orders would wait on each other for ever."""
+    teardown(grid, client, GROUP.get("urls", ()))
+    tps = [1] * len(urls)  # ranks per server: SGLang's tp_size; the embedded server has no /server_info (404)
+    for i, url in enumerate(urls if grid.rank == 0 else []):
+        try:
+            status, out = client._http(url, "GET", "/server_info", timeout=30)
+            tps[i] = out.get("tp_size", 1) if status == 200 and isinstance(out, dict) else 1
+        except RETRYABLE:
+            pass
+    tps, names = agree(grid, tps, src=0), [f"nano-pp{p}-{token}" for p in range(grid.pp_size)]
+    for p, name in enumerate(names):
+        err = None
+        if grid.rank == p * grid.dp_size:  # the sender of stage p: its dp_rank 0 (parallel.py's grid)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # our address, as the servers reach us
+                s.connect((urls[0].split("://")[1].rsplit(":", 1)[0], 80))
+                addr = s.getsockname()[0]
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            backend = "nccl" if grid.device.type == "cuda" else "gloo"
+            bodies = {u: {"master_address": addr, "master_port": port, "rank_offset": 1 + sum(tps[:i]),
+                          "world_size": 1 + sum(tps), "group_name": name, "backend": backend}
+                      for i, u in enumerate(urls)}
+            joined = post(client, urls, "/init_weights_update_group", bodies, timeout)
+            pg = background(init_weight_update_group, addr, port, 0, 1 + sum(tps), name, backend, timeout)
+            err = failed(errors(joined), f"init_weights_update_group {name} failed on:")
+            GROUP["pg"] = pg.result() if err is None else None  # else left to time out in its thread
+        if err := agree(grid, err):
+            raise SyncError(*err)
+    GROUP.update(urls=tuple(urls), names=names)
+
+
+def teardown(grid, client, urls=(), timeout=30):
+    """Forget the groups: ours at once; rank 0 asks the servers in urls to drop theirs (best effort)."""
+    if GROUP.get("pg") is not None:
+        dist.destroy_process_group(GROUP["pg"])
+    for name in GROUP.get("names", []) if grid.rank == 0 else []:
+        errors(post(client, urls, "/destroy_weights_update_group", {"group_name": name}, timeout))
+    GROUP.clear()
+
+
+def stage_buckets(model, grid, quant, limit):
+    """This stage's tensors in send order, as (name, owner EP rank, shape, dtype): the sender's own (dense and its
+    experts), then each other EP rank's experts; cut into buckets of at most `limit` bytes on the wire (quantized),
+    a bigger tensor alone. Every rank of the stage's first EP group gets the same buckets."""
+    mine = [(k, grid.ep_rank, tuple(v.shape), v.dtype) for k, v in model.state_dict().items()
+            if grid.ep_rank == 0 or ".experts." in k]
+    lists = [mine] if grid.ep_size == 1 else [None] * grid.ep_size
+    if grid.ep_size > 1:
+        dist.all_gather_object(lists, mine, group=grid.ep_group)
+    out, size = [[]], 0
+    for e in [e for entries in lists for e in entries]:
+        n = sum(torch.Size(s).numel() * d.itemsize for _, s, d in quantized_meta(e[0], e[2], e[3], quant))
+        if out[-1] and size + n > limit:
+            out, size = out + [[]], 0
+        out[-1].append(e)
+        size += n
+    return out
+
+
+def send_stage(model, grid, client, urls, name, quant, version, limit, timeout, stats, samples):
+    """The stage's buckets: the EP ranks hand their experts to the sender, which quantizes, POSTs the bucket's names
+    to every server and broadcasts the tensors in that order. After an error the sender still takes part in the
+    gathers (the other EP ranks are mid-loop) but sends nothing more. -> error or None."""
+    sd, err, is_sender = model.state_dict(), None, grid.ep_rank == 0
+    ep_ranks = dist.get_process_group_ranks(grid.ep_group) if grid.ep_size > 1 else [grid.rank]
+    buckets = stage_buckets(model, grid, quant, limit)
+    for i, bucket in enumerate(buckets):
+        tensors, what = {}, f"bucket {i + 1}/{len(buckets)} of stage {grid.pp_rank} failed on:"
+        for k, owner, shape, dtype in bucket:
+            if owner == grid.ep_rank and not is_sender:
+                dist.send(sd[k].detach().contiguous(), dst=ep_ranks[0])
+            elif is_sender:
+                tensors[k] = sd[k].detach() if owner == 0 else torch.empty(shape, dtype=dtype, device=grid.device)
+                if owner != 0:
+                    dist.recv(tensors[k], src=ep_ranks[owner])
+        if not is_sender or err:
+            continue
+        sent = {n: q.contiguous() for k, t in tensors.items() for n, q in quantize_tensor(k, t, quant).items()}
+        del tensors
+        answers = post(client, urls, "/update_weights_from_distributed", {
+            "names": list(sent), "dtypes": [str(v.dtype)[6:] for v in sent.values()], "group_name": name,
+            "shapes": [list(v.shape) for v in sent.values()], "flush_cache": False, "weight_version": version}, timeout)
+        try:
+            for v in sent.values():
+                dist.broadcast(as_bytes(v), src=0, group=GROUP["pg"])  # float8 travels as bytes (gloo has none)
+        except Exception as e:  # a dead peer: the servers still up wait on us for ever; do not wait for them
+            err = failed({**errors(answers, wait=2), "broadcast": f"{type(e).__name__}: {e}"}, what)
+            continue
+        err, nbytes = failed(errors(answers), what), sum(v.nbytes for v in sent.values())
+        stats.update(names=stats["names"] + list(sent), bytes=stats["bytes"] + nbytes, buckets=stats["buckets"] + 1,
+                     max_bucket_bytes=max(stats["max_bucket_bytes"], nbytes))
+        samples.update({n: v[:2].clone() for n, v in sent.items()})  # for verify: the first rows, as sent
+    return err
+
+
+def sync_distributed(model, grid, client, urls, token, quant, version, limit, timeout, stats, samples):
+    """The session of the module docstring. The servers' sessions are closed and generation resumed whatever
+    happens; after a failure the groups are dropped (the next sync makes new ones) and SyncError raised."""
+    if GROUP.get("urls") != tuple(urls):  # the first sync, or other servers: new groups
+        make_groups(grid, client, urls, token, timeout)
+    err = None
+    for path, body in [("/pause_generation", {"mode": "retract"}), ("/flush_cache", {}), ("/begin_weight_update", {})]:
+        if grid.rank == 0 and err is None:
+            err = failed(errors(post(client, urls, path, body, timeout)), f"{path} failed on:")
+    err = agree(grid, err)
+    for p in range(grid.pp_size):  # stage after stage, so every server receives in the same order
+        if err is None and grid.pp_rank == p and grid.edp_rank == 0:
+            err = send_stage(model, grid, client, urls, GROUP["names"][p], quant, version, limit, timeout, stats,
+                             samples)
+        err = agree(grid, err)
+    if grid.rank == 0:  # close the session (quantized servers rebuild here) and resume, wherever still up
+        ended = failed(errors(post(client, urls, "/end_weight_update", {}, timeout)), "/end_weight_update failed on:")
+        errors(post(client, urls, "/continue_generation", {}, timeout))
+        err = err or ended
+    if err := agree(grid, err):
+        teardown(grid, client, urls, min(timeout, 30))
+        raise SyncError(*err)
+
+
+def check_samples(client, urls, samples, timeout):
+    """/get_weights_by_name on every server against the first rows we sent: equal, or equal after the bf16 cast
+    of a server that serves bf16. -> {url: error} naming the first tensor that differs."""
+    def check(url):
+        for name, want in samples.items():
+            want = (e8m0_to_float(want) if want.dtype == torch.float8_e8m0fnu else want.float()).cpu()
+            try:
+                status, got = client._http(url, "POST", "/get_weights_by_name", {"name": name, "truncate_size": 2},
+                                           timeout)
+            except RETRYABLE as e:
+                return f"verify: {type(e).__name__}: {e}"
+            got = torch.tensor(got) if status == 200 else None
+            if got is None or not (torch.equal(got, want) or torch.equal(got, want.bfloat16().float())):
+                return f"verify: {name} differs from what the trainer sent (HTTP {status})"
+    return errors({u: background(check, u) for u in urls})
+
+
+# -----------------------------------------------------------------------------
+
+def sync(model, grid, client, args, path, mode="disk", version="1", quant="none", bucket_mb=512, verify=False,
+         timeout=600):
+    """Push the trainer's weights to every rollout server that is up; they stamp `version` on what they generate.
+    Collective over the trainer's world. -> this rank's stats (names and bytes it sent, buckets, seconds). Raises
+    SyncError on every rank, naming the servers that failed (they join client.stale; see the module docstring)."""
+    if mode not in ("disk", "distributed"):
+        raise ValueError(f"weight_sync '{mode}' is not available (have: disk, distributed)")
+    t0, stats, samples = time.time(), {"mode": mode, "names": [], "bytes": 0, "buckets": 0, "max_bucket_bytes": 0}, {}
+    up, token = agree(grid, ([u for u, ok in client.health().items() if ok] if grid.rank == 0 else None,
+                             uuid.uuid4().hex[:8]), src=0)
+    client.stale.update(u for u in client.urls if u not in up)
+    try:
+        if not up:
+            raise SyncError(f"no rollout server is up: {client.urls}", list(client.urls))
+        err = None
+        if mode == "disk":
+            samples, stats["bytes"] = save_weights(model, grid, path, args, quant)
+            stats["names"] = list(samples)
+            if grid.rank == 0:
+                err = failed(errors(post(client, up, "/update_weights_from_disk", {"model_path": os.path.abspath(path),
+                             "weight_version": version}, timeout)), "update_weights_from_disk failed on:")
+        else:
+            sync_distributed(model, grid, client, up, token, quant, version, int(bucket_mb * (1 << 20)), timeout,
+                             stats, samples)
+        err = agree(grid, err)  # every server has the weights now (or the sync failed), so verify may look
+        if verify and not err:
+            err = agree(grid, failed(check_samples(client, up, samples, timeout), "verify failed on:"))
+        if err:
+            raise SyncError(*err)
+    except SyncError as e:
+        client.stale.update(up)  # none of them holds a complete new model: no rollouts until a sync completes there
+        down = [u for u, ok in client.health(timeout=5).items() if not ok]
+        raise SyncError(f"weight sync ({mode}, version {version}) failed: {e}\n  down now: {down}",
+                        e.urls or list(up)) from None
+    client.stale.difference_update(up)
+    stats["seconds"] = time.time() - t0
+    return stats

@@ -1,6 +1,10 @@
-"""Shared helpers for the tests: small random configs and a non-trivial re-randomisation of weights."""
+"""Shared helpers for the tests: small random configs, a non-trivial re-randomisation of weights, embedded servers."""
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
+import pytest
 import torch
 
 from model_dsv4 import ModelArgs
@@ -48,3 +52,31 @@ def randomize_(model, n_experts, top_k, seed=0):
         else:  # sinks, mHC bases
             t.copy_(rnd(t))
     return model
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules that run several torch processes at once: on 2 shared cores, two OpenMP threads per process wait
+    on each other's time slices (10x slower here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def start_servers(ckpt, n=1, quant="none", ports=None):
+    """n embedded fp32 CPU servers of a checkpoint (subprocesses, started together) -> [[process, url]]."""
+    procs = [subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", ckpt, "--port", str(port),
+                               "--dtype", "float32", "--device", "cpu", "--max-len", "128", "--quant", quant],
+                              cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."), stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+             for port in ports or [0] * n]
+    lines = [next((line for line in p.stdout if "ready at http://" in line), "") for p in procs]
+    assert all(lines), "a server did not start (its stderr is above)"
+    return [[p, line.split("ready at ")[1].split()[0]] for p, line in zip(procs, lines)]
+
+
+def stop(servers):
+    for p, _ in servers:
+        p.terminate()
+        p.wait(timeout=30)
