@@ -134,11 +134,13 @@ def line(name, r):
 class Trace:
     """Records, per module name, the output row of every token position it processed. Forward hooks on the
     modules both paths call (attention projections, norms, MoE), wrappers around hc_pre / hc_post (methods,
-    not modules) and logits. The driver sets `pos`, the positions of the tokens of the next call."""
+    not modules) and logits. The driver sets `pos`, the positions of the tokens of the next call, and calls
+    close() after the run, which puts the model back as it was."""
     MODULES = ("attn_norm", "attn.wq_a", "attn.wkv", "attn.wo_b", "ffn_norm", "ffn")
 
     def __init__(self, model):
-        self.rec, self.pos, self.handles = {}, None, []
+        self.rec, self.pos, self.handles, self.model = {}, None, [], model
+        self.saved = [(blk, blk.hc_pre, blk.hc_post) for blk in model.layers.values()] + [(model, model.logits)]
         for i, blk in model.layers.items():
             for name in self.MODULES:
                 hook = lambda m, args, out, key=f"layers.{i}.{name}": self.put(key, out)
@@ -146,6 +148,13 @@ class Trace:
             blk.hc_pre, blk.hc_post = self.wrap_hc(blk, f"layers.{i}")
         logits = model.logits
         model.logits = lambda x: self.put("logits", logits(x))
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        for blk, pre, post in self.saved[:-1]:
+            blk.hc_pre, blk.hc_post = pre, post
+        self.model.logits = self.saved[-1][1]
 
     def wrap_hc(self, blk, prefix):
         pre, post = blk.hc_pre, blk.hc_post
@@ -169,6 +178,7 @@ def trace_forward(model, ids):
     t = Trace(model)
     t.pos = list(range(len(ids)))
     model(torch.tensor(ids)[None])
+    t.close()
     return t.rec
 
 
@@ -181,6 +191,7 @@ def trace_engine(model, ids, n_prompt):
     for p in range(n_prompt, len(ids)):
         t.pos = [p]
         engine.decode(torch.tensor([0]), torch.tensor([ids[p]]), torch.tensor([p]))
+    t.close()
     return t.rec
 
 
