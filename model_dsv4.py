@@ -679,9 +679,8 @@ class Transformer(nn.Module):
     def set_fp8_emulation(self, on=True):
         """The reference's FP8 numerics (spec §2.7, quant.py *_sim), straight-through grads: FP8 activations into
         the FP8/FP4 linears, KV FP8 round trip, indexer Hadamard + FP4. Off (default) is bit-identical."""
-        for m in self.modules():
-            if hasattr(m, "fp8_emu"):
-                m.fp8_emu = on
+        for m in (m for m in self.modules() if hasattr(m, "fp8_emu")):
+            m.fp8_emu = on
         return self
 
     def embed_streams(self, input_ids):
