@@ -254,11 +254,12 @@ if __name__ == "__main__":
     pairs = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")] if a.table else [(a.trainer, a.engine)]
     results = []
     for tp, ep in pairs:
-        trainer, engine_model = prepare(base, tp), prepare(base, ep)
+        trainer, engine_model = prepare(base, tp), None if a.rollout_url else prepare(base, ep)
         if a.inject_bug >= 0:
             inject_untransposed_comb(engine_model, a.inject_bug)
         samples = sample(engine_model, a.rollout_url, prompts, a.temperature, a.max_new_tokens, a.seed)
-        results.append((f"trainer {tp} vs engine {ep}", compare(trainer, samples, a.temperature, decode=decode)))
+        name = f"trainer {tp} vs " + (f"server {a.rollout_url}" if a.rollout_url else f"engine {ep}")
+        results.append((name, compare(trainer, samples, a.temperature, decode=decode)))
         print(line(*results[-1]))
         if a.layers:
             assert not a.rollout_url, "--layers hooks the engine's modules: it needs the embedded engine"
