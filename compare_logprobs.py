@@ -21,7 +21,8 @@ Precisions, for either side:
               projections; routed experts in FP8 as in the FP8 repack SGLang serves), plus
               set_fp8_emulation(True): FP8 activations into those linears (not wo_a), the KV FP8 round trip on
               the non-RoPE dims, the indexer's Hadamard + FP4;
-  fp8_fp4     fp8 with the routed experts through the FP4 (e2m1, group 32) round trip instead.
+  fp8_fp4     fp8 with the routed experts through the FP4 (e2m1, group 32) round trip instead;
+  fp32_emu    fp32 weights as they are, with set_fp8_emulation(True): the emulation without any bf16.
 An fp8 trainer gets the same rounded weights as an fp8 engine (dequantising FP8 is exact, spec §2.7): the
 aligned pair. A bf16 trainer against an fp8 engine keeps its own weights: the usual FP8-rollout setup.
 
@@ -54,11 +55,15 @@ def wide_init_(model, head_scale=4.0, seed=0):
     return model
 
 
+PRECISIONS = ("fp32", "bf16", "fp8", "fp8_fp4", "fp32_emu")
+
+
 @torch.no_grad()
 def prepare(base, precision):
     """A copy of the fp32 base in `precision` (see the module docstring)."""
-    assert precision in ("fp32", "bf16", "fp8", "fp8_fp4"), precision
-    model = copy.deepcopy(base).set_dtype(torch.float32 if precision == "fp32" else torch.bfloat16)
+    assert precision in PRECISIONS, precision
+    model = copy.deepcopy(base).set_dtype(torch.float32 if precision.startswith("fp32") else torch.bfloat16)
+    model.set_fp8_emulation(precision == "fp32_emu")
     if precision.startswith("fp8"):
         for name, m in model.named_modules():
             if isinstance(m, FP8Linear) or name.endswith("attn.wo_a"):
@@ -224,8 +229,8 @@ if __name__ == "__main__":
     ap.add_argument("--init_from", default="", help="a checkpoint directory (else a random model, see wide_init_)")
     ap.add_argument("--rollout_url", default="", help="sample from these servers instead of the embedded engine")
     ap.add_argument("--tokenizer", default="", help="decode the worst tokens' context ('bytes', a tokenizer.json)")
-    ap.add_argument("--trainer", default="fp32", choices=["fp32", "bf16", "fp8", "fp8_fp4"])
-    ap.add_argument("--engine", default="fp32", choices=["fp32", "bf16", "fp8", "fp8_fp4"])
+    ap.add_argument("--trainer", default="fp32", choices=PRECISIONS)
+    ap.add_argument("--engine", default="fp32", choices=PRECISIONS)
     ap.add_argument("--table", action="store_true", help="fp32/fp32, bf16/bf16, bf16/fp8, fp8/fp8 as a table")
     ap.add_argument("--n_prompts", type=int, default=8)
     ap.add_argument("--max_new_tokens", type=int, default=48)
