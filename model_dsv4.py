@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 import torch.nn.functional as F
+from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
 # -----------------------------------------------------------------------------
 # config
@@ -226,9 +227,10 @@ def apply_rope(x, cos, sin):
 class Compressor(nn.Module):
     """Pools every `ratio` tokens into one KV entry with a per-channel softmax gate (spec §2.3 steps 6-9).
     ratio 4 overlaps: entry w pools window w-1 (first-half channels) and window w (second half)."""
-    def __init__(self, args, ratio, head_dim):
+    fp8_emu = False  # set by Transformer.set_fp8_emulation; rotate: the indexer's (Hadamard + FP4 sim, not FP8)
+    def __init__(self, args, ratio, head_dim, rotate=False):
         super().__init__()
-        self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
+        self.ratio, self.head_dim, self.overlap, self.rotate = ratio, head_dim, ratio == 4, rotate
         coff = 2 if self.overlap else 1
         self.wkv = nn.Linear(args.hidden_size, coff * head_dim, bias=False)
         self.wgate = nn.Linear(args.hidden_size, coff * head_dim, bias=False)
@@ -261,7 +263,10 @@ class Compressor(nn.Module):
         """Norm in the model dtype, then RoPE at the window's first token position w*ratio."""
         entries = self.norm(entries.to(self.wkv.weight.dtype))
         cos, sin = rope_cos_sin(args, self.ratio, pos)
-        return apply_rope(entries, cos, sin)
+        entries = apply_rope(entries, cos, sin)
+        if self.fp8_emu:  # spec §2.3 step 10
+            entries = index_quant_sim(entries) if self.rotate else kv_quant_sim(entries, args.qk_rope_head_dim)
+        return entries
 
     def forward(self, x, args):
         # x: [B, T, D] -> [B, T // ratio, d]; a trailing partial window emits nothing
@@ -282,14 +287,15 @@ class Indexer(nn.Module):
     def __init__(self, args):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wq_b = FP8Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
-        self.compressor = Compressor(args, 4, self.head_dim)
+        self.compressor = Compressor(args, 4, self.head_dim, rotate=True)
 
     def scores(self, x, qr, k, cos, sin):
         # x: [B, T, D], qr: [B, T, q_lora], k: [B, S, hd] -> [B, T, S] fp32
         B, T, _ = x.shape
         q = apply_rope(self.wq_b(qr).view(B, T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
+        q = index_quant_sim(q) if self.wq_b.fp8_emu else q  # k was rotated and rounded by the compressor
         w = F.linear(x, self.weights_proj.weight).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         s = torch.einsum("bthd,bsd->bths", q.float(), k.float()).relu()
         return torch.einsum("bths,bth->bts", s, w)
@@ -326,13 +332,13 @@ class Attention(nn.Module):
         self.ratio = args.compress_ratios[layer_id]
         H, d = args.num_attention_heads, args.head_dim
         self.n_heads, self.head_dim, self.softmax_scale = H, d, d ** -0.5
-        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.wq_a = FP8Linear(args.hidden_size, args.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-        self.wq_b = nn.Linear(args.q_lora_rank, H * d, bias=False)
-        self.wkv = nn.Linear(args.hidden_size, d, bias=False)
+        self.wq_b = FP8Linear(args.q_lora_rank, H * d, bias=False)
+        self.wkv = FP8Linear(args.hidden_size, d, bias=False)
         self.kv_norm = RMSNorm(d, args.rms_norm_eps)
         self.wo_a = nn.Linear(H * d // args.o_groups, args.o_groups * args.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.wo_b = FP8Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.compressor = Compressor(args, self.ratio, d) if self.ratio else None
         self.indexer = Indexer(args) if self.ratio == 4 else None
@@ -347,7 +353,8 @@ class Attention(nn.Module):
 
     def window_kv(self, x, cos, sin):
         # x: [B, T, D] -> [B, T, d], one head shared by all query heads, used as both key and value
-        return apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return kv_quant_sim(kv, self.args.qk_rope_head_dim) if self.wkv.fp8_emu else kv  # spec §2.3 step 5
 
     def output(self, o, cos, sin):
         # o: [B, T, H, d]; undo RoPE on the value's rope slice at the query position, then grouped wo_a, wo_b
@@ -418,9 +425,9 @@ class Expert(nn.Module):
     def __init__(self, dim, inter_dim, limit):
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(dim, inter_dim, bias=False)
-        self.w2 = nn.Linear(inter_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+        self.w1 = FP8Linear(dim, inter_dim, bias=False)
+        self.w2 = FP8Linear(inter_dim, dim, bias=False)
+        self.w3 = FP8Linear(dim, inter_dim, bias=False)
 
     def forward(self, x, weights=None):
         g, u = self.w1(x).float(), self.w3(x).float()
@@ -603,8 +610,8 @@ class MTPBlock(Block):
     def __init__(self, layer_id, args, ep_group=None):
         super().__init__(layer_id, args, ep_group)
         n, D = args.hc_mult, args.hidden_size
-        self.e_proj = nn.Linear(D, D, bias=False)
-        self.h_proj = nn.Linear(D, D, bias=False)
+        self.e_proj = FP8Linear(D, D, bias=False)
+        self.h_proj = FP8Linear(D, D, bias=False)
         self.enorm, self.hnorm, self.norm = (RMSNorm(D, args.rms_norm_eps) for _ in range(3))
         self.hc_head_fn = nn.Parameter(torch.empty(n, n * D, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
@@ -667,6 +674,13 @@ class Transformer(nn.Module):
             if t.is_floating_point() and not any(k in name for k in FP32_NAMES):
                 t.data = t.data.to(dtype)
         self.dtype = dtype
+        return self
+
+    def set_fp8_emulation(self, on=True):
+        """The reference's FP8 numerics (spec §2.7, quant.py *_sim), straight-through grads: FP8 activations into
+        the FP8/FP4 linears, KV FP8 round trip, indexer Hadamard + FP4. Off (default) is bit-identical."""
+        for m in (m for m in self.modules() if hasattr(m, "fp8_emu")):
+            m.fp8_emu = on
         return self
 
     def embed_streams(self, input_ids):

@@ -175,6 +175,44 @@ def fake_quant_fp4(x, block=32):
     return (q * s).flatten(-2)[..., :n].to(x.dtype)
 
 
+# -----------------------------------------------------------------------------
+# FP8 reference numerics in the trainer (spec §2.7), switched on by Transformer.set_fp8_emulation(True).
+# Each sim is a quantize-dequantize with a straight-through gradient: the forward sees the rounded value,
+# the backward the identity. fq + (x - x.detach()) is exactly fq in any dtype, where x + (fq - x).detach()
+# could round twice.
+
+def straight_through(x, fq):
+    return fq.detach() + (x - x.detach())
+
+
+def act_quant_sim(x):
+    """FP8 activations before an FP8/FP4 linear: e4m3, one power-of-two scale per token per 128 inputs."""
+    return straight_through(x, fake_quant_fp8(x, 128))
+
+
+def kv_quant_sim(kv, rope_dims):
+    """The KV cache's FP8 round trip (spec §2.3 steps 5, 10): the non-RoPE dims only, block 64."""
+    nope, rope = kv[..., :-rope_dims], kv[..., -rope_dims:]
+    return torch.cat([straight_through(nope, fake_quant_fp8(nope, 64)), rope], dim=-1)
+
+
+def index_quant_sim(x):
+    """The indexer's q and compressed keys: Hadamard rotation, then FP4 e2m1 with block 32. The rotation is
+    linear, so the gradient goes through it; only the rounding is straight-through."""
+    x = hadamard(x)
+    return straight_through(x, fake_quant_fp4(x, 32))
+
+
+class FP8Linear(torch.nn.Linear):
+    """nn.Linear whose weight is FP8 (or FP4) in the checkpoint. With fp8_emu on, its input goes through
+    act_quant_sim first; the weight is used as stored (dequantizing FP8 to bf16 is exact, spec §2.7).
+    Off, it is nn.Linear bit for bit."""
+    fp8_emu = False
+
+    def forward(self, x):
+        return F.linear(act_quant_sim(x) if self.fp8_emu else x, self.weight, self.bias)
+
+
 def hadamard(x):
     """Normalized Walsh-Hadamard transform of the last dim (Sylvester order, scale 1/sqrt(n)).
 

@@ -1,0 +1,280 @@
+"""
+Trainer vs rollout engine: the logprobs of the same tokens, and where two implementations part.
+
+    python compare_logprobs.py                                   # tiny model: fp32 trainer vs fp32 engine
+    python compare_logprobs.py --trainer bf16 --engine fp8       # what an FP8 rollout does to a bf16 trainer
+    python compare_logprobs.py --table                           # the README table (four pairs)
+    python compare_logprobs.py --layers --trainer fp32 --engine bf16     # first layer and module where they part
+    python compare_logprobs.py --layers --inject_bug 3           # a planted bug: layer 3's mHC comb untransposed
+    python compare_logprobs.py --rollout_url http://localhost:30000 --init_from out/ckpt --trainer bf16
+
+The engine samples (the embedded Engine in this process, or any SGLang-compatible server through RolloutClient);
+the trainer re-scores the same tokens with a plain forward. Reported over the generated tokens:
+mean / p99 / max |logp_trainer - logp_engine|, the k3 estimate of KL(engine || trainer) that Miles logs as
+train_rollout_kl, the first generated token (the engine's prefill) against the rest (its KV-cache decode),
+and the worst tokens with their context.
+
+Precisions, for either side:
+  fp32, bf16  the model as is;
+  fp8         bf16, plus every FP8 linear's weight through quant.py's 128x128 block round trip (what an FP8
+              server dequantises: wq_a, wq_b, wkv, wo_a, wo_b, indexer wq_b, shared and routed experts, MTP
+              projections; routed experts in FP8 as in the FP8 repack SGLang serves), plus
+              set_fp8_emulation(True): FP8 activations into those linears (not wo_a), the KV FP8 round trip on
+              the non-RoPE dims, the indexer's Hadamard + FP4;
+  fp8_fp4     fp8 with the routed experts through the FP4 (e2m1, group 32) round trip instead;
+  fp32_emu    fp32 weights as they are, with set_fp8_emulation(True): the emulation without any bf16.
+An fp8 trainer gets the same rounded weights as an fp8 engine (dequantising FP8 is exact, spec §2.7): the
+aligned pair. A bf16 trainer against an fp8 engine keeps its own weights: the usual FP8-rollout setup.
+
+--layers records per-layer hidden states with forward hooks (and wrappers around each block's hc_pre/hc_post,
+so the mHC streams are included), token by token: the trainer side runs one full forward, the engine side
+prefills the prompt and decodes the rest through its KV cache (or --engine_path forward: a second full
+forward, to compare precisions alone). It prints the relative error of every recorded module in execution
+order and the first one above --tol.
+"""
+import argparse
+import copy
+
+import torch
+
+from engine import Engine, SamplingParams
+from model_dsv4 import ModelArgs, Transformer, from_pretrained
+from quant import FP8Linear, fp4_dequantize, fp4_quantize, fp8_block_dequantize, fp8_block_quantize
+
+# -----------------------------------------------------------------------------
+# models: one fp32 base, prepared per side
+
+def wide_init_(model, head_scale=4.0, seed=0):
+    """From scratch, a random model whose next-token distributions are not flat: matrices ~ N(0, 1/fan_in)
+    (the 0.02 init gives near-uniform logits, where every logprob delta is tiny), the head scaled up."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if t.dim() == 2 and not name.startswith("embed"):
+                t.copy_(torch.randn(t.shape, generator=g) / t.shape[1] ** 0.5 * (head_scale if name == "head.weight" else 1))
+    return model
+
+
+PRECISIONS = ("fp32", "bf16", "fp8", "fp8_fp4", "fp32_emu")
+
+
+@torch.no_grad()
+def prepare(base, precision):
+    """A copy of the fp32 base in `precision` (see the module docstring)."""
+    assert precision in PRECISIONS, precision
+    model = copy.deepcopy(base).set_dtype(torch.float32 if precision.startswith("fp32") else torch.bfloat16)
+    model.set_fp8_emulation(precision == "fp32_emu")
+    if precision.startswith("fp8"):
+        for name, m in model.named_modules():
+            if isinstance(m, FP8Linear) or name.endswith("attn.wo_a"):
+                w = m.weight
+                if precision == "fp8_fp4" and ".experts." in name and ".shared_experts" not in name:
+                    m.weight.copy_(fp4_dequantize(*fp4_quantize(w)))
+                else:
+                    m.weight.copy_(fp8_block_dequantize(*fp8_block_quantize(w)))
+        model.set_fp8_emulation(True)
+    return model.eval()
+
+
+def inject_untransposed_comb(model, layer):
+    """A planted bug for --layers to find: block `layer` mixes its residual streams with comb, not comb^T."""
+    def hc_post(f, x, post, comb):
+        return (post.unsqueeze(-1) * f.float().unsqueeze(-2) + torch.matmul(comb, x.float())).to(x.dtype)
+    model.layers[str(layer)].hc_post = hc_post  # an instance attribute: wins over Block.hc_post
+    return model
+
+
+# -----------------------------------------------------------------------------
+# logprobs: sample with the engine, re-score with the trainer
+
+def sample(engine_model, url, prompts, temperature, max_new_tokens, seed):
+    """-> [(prompt, output_ids, engine logprobs)]"""
+    if url:
+        from rollout import RolloutClient
+        sp = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        outs = RolloutClient(url).generate(prompts, 1, sp, seed=seed, desc="compare")
+        return [(p, o[0]["output_ids"], o[0]["logprobs"]) for p, o in zip(prompts, outs)]
+    engine = Engine(engine_model, max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 1)
+    sp = [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True, seed=seed + i)
+          for i in range(len(prompts))]
+    return [(r.input_ids, r.output_ids, r.output_logprobs) for r in engine.generate(prompts, sp)]
+
+
+@torch.no_grad()
+def trainer_logprobs(model, prompt, out_ids, temperature):
+    """log_softmax(logits / T) of the generated tokens, from one full forward (what the GRPO step computes)."""
+    ids = torch.tensor(prompt + out_ids)[None]
+    logits = model(ids)[0, len(prompt) - 1:-1].float()
+    return (logits / max(temperature, 1e-6)).log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+
+
+def compare(trainer, samples, temperature, n_worst=5, decode=None):
+    """The statistics of the module docstring, as a dict; prints the worst tokens."""
+    rows = [(i, j, lt, le) for i, (p, o, lp) in enumerate(samples)
+            for j, (lt, le) in enumerate(zip(trainer_logprobs(trainer, p, o, temperature).tolist(), lp))]
+    lt, le = torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows])
+    d, first = (lt - le).abs(), torch.tensor([r[1] == 0 for r in rows])
+    log_ratio = (lt - le).clamp(-10, 10)
+    res = {"tokens": len(rows), "mean": d.mean().item(), "p99": d.quantile(0.99).item(), "max": d.max().item(),
+           "kl_k3": (log_ratio.exp() - 1 - log_ratio).mean().item(), "first": d[first].mean().item(),
+           "rest": d[~first].mean().item() if (~first).any() else float("nan"), "mean_logp": lt.mean().item()}
+    decode = decode or (lambda ids: str(ids))
+    print(f"worst {n_worst} tokens (sample, position in the completion, token, trainer, engine, context):")
+    for k in d.topk(min(n_worst, len(rows))).indices.tolist():
+        i, j, a, b = rows[k]
+        p, o, _ = samples[i]
+        ctx = (p + o)[max(0, len(p) + j - 8):len(p) + j]
+        print(f"  sample {i:2d} pos {j:3d} token {o[j]:6d} | {a:8.4f} vs {b:8.4f} (|d| {abs(a - b):.2e}) | after {decode(ctx)}")
+    return res
+
+
+def line(name, r):
+    return (f"{name}: mean |d| {r['mean']:.2e} | p99 {r['p99']:.2e} | max {r['max']:.2e} | KL(k3) {r['kl_k3']:.2e} | "
+            f"first token {r['first']:.2e} rest {r['rest']:.2e} | {r['tokens']} tokens, mean logp {r['mean_logp']:.2f}")
+
+
+# -----------------------------------------------------------------------------
+# --layers: hidden states per layer and module, by token position
+
+class Trace:
+    """Records, per module name, the output row of every token position it processed. Forward hooks on the
+    modules both paths call (attention projections, norms, MoE), wrappers around hc_pre / hc_post (methods,
+    not modules) and logits. The driver sets `pos`, the positions of the tokens of the next call, and calls
+    close() after the run, which puts the model back as it was."""
+    MODULES = ("attn_norm", "attn.wq_a", "attn.wkv", "attn.wo_b", "ffn_norm", "ffn")
+
+    def __init__(self, model):
+        self.rec, self.pos, self.handles, self.model = {}, None, [], model
+        self.saved = [(blk, blk.hc_pre, blk.hc_post) for blk in model.layers.values()] + [(model, model.logits)]
+        for i, blk in model.layers.items():
+            for name in self.MODULES:
+                hook = lambda m, args, out, key=f"layers.{i}.{name}": self.put(key, out)
+                self.handles.append(blk.get_submodule(name).register_forward_hook(hook))
+            blk.hc_pre, blk.hc_post = self.wrap_hc(blk, f"layers.{i}")
+        logits = model.logits
+        model.logits = lambda x: self.put("logits", logits(x))
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        for blk, pre, post in self.saved[:-1]:
+            blk.hc_pre, blk.hc_post = pre, post
+        self.model.logits = self.saved[-1][1]
+
+    def wrap_hc(self, blk, prefix):
+        pre, post = blk.hc_pre, blk.hc_post
+        def hc_pre(x, fn, scale, base):
+            blk.sub = "attn" if fn is blk.hc_attn_fn else "ffn"
+            out = pre(x, fn, scale, base)
+            self.put(f"{prefix}.hc_pre.{blk.sub}", out[0])  # the collapsed input of the sublayer
+            return out
+        return hc_pre, lambda *a: self.put(f"{prefix}.hc_post.{blk.sub}", post(*a))  # the n streams after it
+
+    def put(self, key, out):
+        # out: [1, t, ...]; a call that returns fewer rows than positions (prefill logits) covers the last ones
+        rows = self.rec.setdefault(key, {})
+        for p, row in zip(self.pos[len(self.pos) - out.shape[1]:], out[0]):
+            rows[p] = row.detach().float().clone()
+        return out
+
+
+@torch.no_grad()
+def trace_forward(model, ids):
+    t = Trace(model)
+    t.pos = list(range(len(ids)))
+    model(torch.tensor(ids)[None])
+    t.close()
+    return t.rec
+
+
+@torch.no_grad()
+def trace_engine(model, ids, n_prompt):
+    """Prefill ids[:n_prompt], then decode ids[n_prompt:] one token at a time through the KV cache."""
+    engine, t = Engine(model, max_batch=1, max_len=len(ids) + 1), Trace(model)
+    t.pos = list(range(n_prompt))
+    engine.prefill([0], [ids[:n_prompt]])
+    for p in range(n_prompt, len(ids)):
+        t.pos = [p]
+        engine.decode(torch.tensor([0]), torch.tensor([ids[p]]), torch.tensor([p]))
+    t.close()
+    return t.rec
+
+
+def first_divergence(rec_a, rec_b, tol):
+    """-> [(name, relative error ||a - b|| / ||a||)] in side A's execution order, and the first name above tol."""
+    errs = []
+    for name, rows in rec_a.items():
+        common = sorted(set(rows) & set(rec_b.get(name, {})))
+        a = torch.stack([rows[p] for p in common])
+        b = torch.stack([rec_b[name][p] for p in common])
+        errs.append((name, ((a - b).norm() / a.norm().clamp(min=1e-30)).item()))
+    return errs, next((n for n, e in errs if e > tol), None)
+
+
+def print_layers(errs, first, tol):
+    by_layer = {}
+    for name, e in errs:
+        layer, _, module = name.partition(".")[2].partition(".") if name.startswith("layers.") else ("", "", name)
+        by_layer.setdefault(layer, []).append(f"{module} {e:.1e}")
+    for layer, items in by_layer.items():
+        print(f"{'layer ' + layer if layer else 'head':>8s} | " + " | ".join(items))
+    print(f"first module above tol {tol:g}: {first or 'none, the two agree'}")
+
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="config/models/tiny.json", help="model shape when starting from scratch")
+    ap.add_argument("--init_from", default="", help="a checkpoint directory (else a random model, see wide_init_)")
+    ap.add_argument("--rollout_url", default="", help="sample from these servers instead of the embedded engine")
+    ap.add_argument("--tokenizer", default="", help="decode the worst tokens' context ('bytes', a tokenizer.json)")
+    ap.add_argument("--trainer", default="fp32", choices=PRECISIONS)
+    ap.add_argument("--engine", default="fp32", choices=PRECISIONS)
+    ap.add_argument("--table", action="store_true", help="fp32/fp32, bf16/bf16, bf16/fp8, fp8/fp8 as a table")
+    ap.add_argument("--n_prompts", type=int, default=8)
+    ap.add_argument("--max_new_tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", action="store_true", help="localise the divergence on the first sample")
+    ap.add_argument("--engine_path", default="cache", choices=["cache", "forward"], help="--layers: engine side runs")
+    ap.add_argument("--tol", type=float, default=1e-3, help="--layers: relative error that counts as parting")
+    ap.add_argument("--inject_bug", type=int, default=-1, help="engine side: layer whose mHC comb is untransposed")
+    a = ap.parse_args()
+
+    torch.manual_seed(a.seed)
+    if a.init_from:
+        base = from_pretrained(a.init_from, dtype=torch.float32)
+    else:
+        base = wide_init_(Transformer(ModelArgs.from_json(a.config), dtype=torch.float32), seed=a.seed)
+    g = torch.Generator().manual_seed(a.seed)
+    lengths = torch.randint(4, 65, (a.n_prompts,), generator=g).tolist()
+    prompts = [torch.randint(2, base.args.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    decode = None
+    if a.tokenizer:
+        from tasks import load_tokenizer
+        tok = load_tokenizer(a.tokenizer)
+        decode = lambda ids: repr(tok.decode(ids))
+
+    pairs = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")] if a.table else [(a.trainer, a.engine)]
+    results = []
+    for tp, ep in pairs:
+        trainer, engine_model = prepare(base, tp), None if a.rollout_url else prepare(base, ep)
+        if a.inject_bug >= 0:
+            inject_untransposed_comb(engine_model, a.inject_bug)
+        samples = sample(engine_model, a.rollout_url, prompts, a.temperature, a.max_new_tokens, a.seed)
+        name = f"trainer {tp} vs " + (f"server {a.rollout_url}" if a.rollout_url else f"engine {ep}")
+        results.append((name, compare(trainer, samples, a.temperature, decode=decode)))
+        print(line(*results[-1]))
+        if a.layers:
+            assert not a.rollout_url, "--layers hooks the engine's modules: it needs the embedded engine"
+            p, o, _ = samples[0]
+            rec_a = trace_forward(trainer, p + o)
+            rec_b = trace_forward(engine_model, p + o) if a.engine_path == "forward" else trace_engine(engine_model, p + o, len(p))
+            print(f"--layers: trainer {tp} (full forward) vs engine {ep} ({a.engine_path}), {len(p + o)} tokens")
+            print_layers(*first_divergence(rec_a, rec_b, a.tol), a.tol)
+    if a.table:
+        print("\n| trainer | engine | mean abs d logprob | p99 | max | KL (k3) | first token | rest |\n|---|---|---|---|---|---|---|---|")
+        for (tp, ep), (_, r) in zip(pairs, results):
+            print(f"| {tp} | {ep} | {r['mean']:.4f} | {r['p99']:.4f} | {r['max']:.4f} | {r['kl_k3']:.1e} | "
+                  f"{r['first']:.4f} | {r['rest']:.4f} |")

@@ -1,0 +1,100 @@
+"""FP8 reference numerics (set_fp8_emulation) against quant.py's round trips, and compare_logprobs.py's tools:
+engine vs trainer logprobs, and --layers finding a planted single-layer bug."""
+import copy
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+import quant
+from compare_logprobs import (compare, first_divergence, inject_untransposed_comb, prepare, sample, trace_engine,
+                              trace_forward)
+from conftest import SMALL, randomize_
+from model_dsv4 import Transformer, apply_rope, rope_cos_sin
+from quant import fake_quant_fp4, fake_quant_fp8, hadamard
+
+
+def small_model(dtype=torch.float32, args=SMALL):
+    m = Transformer(copy.deepcopy(args), dtype=torch.float32)  # layers: CSA, window, HCA-128, CSA
+    return randomize_(m, args.n_routed_experts, args.num_experts_per_tok).set_dtype(dtype).eval()
+
+
+def test_emulation_off_is_bit_identical(monkeypatch):
+    """On then off gives exactly the logits and grads of plain nn.Linear layers."""
+    model = small_model(torch.bfloat16)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    def run():
+        model.zero_grad()
+        logits = model(ids)
+        logits.logsumexp(-1).mean().backward()
+        return logits.detach(), model.layers["0"].attn.wq_a.weight.grad.clone()
+    with monkeypatch.context() as m:
+        m.setattr(quant.FP8Linear, "forward", torch.nn.Linear.forward)
+        want = run()
+    on = run() if model.set_fp8_emulation(True) else None
+    got = run() if model.set_fp8_emulation(False) else None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(on[0], want[0])  # and on does change something
+
+
+@torch.no_grad()
+def test_emulation_equals_quant_round_trips():
+    model = small_model(torch.bfloat16).set_fp8_emulation(True)
+    attn, rd = model.layers["0"].attn, SMALL.qk_rope_head_dim
+    x = torch.randn(2, 12, SMALL.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    # FP8 linears: per-token, per-128 FP8 activations, weights as stored
+    assert torch.equal(attn.wq_a(x), F.linear(fake_quant_fp8(x, 128), attn.wq_a.weight))
+    expert = model.layers["1"].ffn.experts["0"].w2
+    h = torch.randn(5, SMALL.moe_intermediate_size).to(torch.bfloat16)
+    assert torch.equal(expert(h), F.linear(fake_quant_fp8(h, 128), expert.weight))
+    # window KV: FP8 block 64 on the non-RoPE dims, RoPE dims untouched
+    cos, sin = rope_cos_sin(SMALL, attn.ratio, torch.arange(12))
+    kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)
+    want = torch.cat([fake_quant_fp8(kv[..., :-rd], 64), kv[..., -rd:]], -1)
+    assert torch.equal(attn.window_kv(x, cos, sin), want)
+    # compressed entries: FP8 on the attention compressor, Hadamard + FP4 on the indexer's
+    for comp, sim in ((attn.compressor, lambda e: torch.cat([fake_quant_fp8(e[..., :-rd], 64), e[..., -rd:]], -1)),
+                      (attn.indexer.compressor, lambda e: fake_quant_fp4(hadamard(e), 32))):
+        e, pos = torch.randn(2, 3, comp.head_dim), torch.arange(3) * comp.ratio
+        comp.fp8_emu = False
+        plain = comp.finish(e, SMALL, pos)
+        comp.fp8_emu = True
+        assert torch.equal(comp.finish(e, SMALL, pos), sim(plain))
+
+
+def test_straight_through_gradients():
+    x = torch.randn(3, 256, requires_grad=True)
+    quant.act_quant_sim(x).mul(2).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+    x.grad = None
+    quant.index_quant_sim(x[:, :128]).sum().backward()  # through the (linear) Hadamard, identity at the rounding
+    torch.testing.assert_close(x.grad[:, :128], hadamard(torch.ones(3, 128)))
+
+
+def test_fp8_prepare_rounds_weights_once():
+    """An fp8 side's weights are fixed points of the FP8 block round trip (what an FP8 server holds)."""
+    model = prepare(small_model(), "fp8")
+    w = model.layers["0"].attn.wq_b.weight
+    assert model.layers["0"].attn.wkv.fp8_emu and w.dtype == torch.bfloat16
+    assert torch.equal(quant.fp8_block_dequantize(*quant.fp8_block_quantize(w), dtype=w.dtype), w)
+
+
+def test_engine_vs_trainer_logprobs_fp32():
+    model = small_model()
+    samples = sample(model, "", [[5, 6, 7, 8], list(range(9, 40))], 1.0, 12, seed=0)
+    r = compare(model, samples, 1.0, n_worst=2)
+    assert r["tokens"] == 24 and r["max"] < 1e-4 and abs(r["kl_k3"]) < 1e-8
+
+
+def test_layers_finds_injected_bug():
+    """Trainer full forward vs engine KV-cache decode, fp32: clean, they agree everywhere; with one layer's
+    comb untransposed they part at that layer's first hc_post (the attention sublayer's), not before.
+    hc_mult 4: with SMALL's 2 streams the bug is nearly invisible (a 2x2 doubly stochastic matrix is symmetric)."""
+    bug_layer, model = 2, small_model(args=replace(SMALL, hc_mult=4))
+    ids = torch.randint(0, SMALL.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = trace_forward(model, ids)
+    errs, first = first_divergence(ref, trace_engine(model, ids, 10), 1e-3)
+    assert first is None and len(errs) == 4 * 10 + 1, errs  # 10 recorded points per layer, then the logits
+    buggy = inject_untransposed_comb(copy.deepcopy(model), bug_layer)
+    errs, first = first_divergence(ref, trace_engine(buggy, ids, 10), 1e-3)
+    assert first == f"layers.{bug_layer}.hc_post.attn", errs
