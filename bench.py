@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from model_dsv4 import ModelArgs, Transformer, save_pretrained
 
 p = argparse.ArgumentParser()
-p.add_argument("--what", default="train", choices=["train", "decode", "sync"])
+p.add_argument("--what", default="train", choices=["train", "decode", "sync", "mismatch"])
 p.add_argument("--model", default="config/models/tiny.json")
 p.add_argument("--seq", type=int, default=256)
 p.add_argument("--batch", type=int, default=4)
@@ -33,6 +33,10 @@ p.add_argument("--new_tokens", type=int, default=64, help="decode: tokens genera
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--bucket_mb", type=float, default=512, help="sync: bucket size of the distributed transport")
 p.add_argument("--tmp", default=None, help="sync: directory for the disk transport (default: the system's temp dir)")
+p.add_argument("--kernels", default="auto", choices=["auto", "fast", "reference"],
+               help="kernels.py's fast paths (auto: on a GPU) or the plain reference")
+p.add_argument("--compile", action="store_true", help="kernels.compile_hot_paths() before building the models")
+p.add_argument("--profile", action="store_true", help="train: print the top CUDA/CPU ops of one step of ours")
 p.add_argument("--layers", type=int, default=0, help="keep only the first N trunk layers (less memory; 0 = all)")
 cli = p.parse_args()
 
@@ -89,38 +93,99 @@ def matmul_rate(device, dtype, n=8192):
 
 def bench_decode(ours, ref, args, device, versions):
     """Greedy generation of exactly new_tokens per sequence for a batch of seq-token prompts, both sides;
-    tokens/s counts generated tokens over the whole call (prefill included, prompts are short)."""
+    tokens/s counts generated tokens over the whole call (prefill included, prompts are short). The floor: the
+    bytes one decode step must read (every weight an expert pick or the dense path touches, and each sequence's
+    attended KV at the mean context length), over the measured device copy bandwidth."""
     from engine import Engine, SamplingParams
     prompts = torch.randint(2, args.vocab_size, (cli.batch, cli.seq), device=device)
     engine = Engine(ours, max_batch=cli.batch, max_len=cli.seq + cli.new_tokens)
-    sp = SamplingParams(temperature=0.0, max_new_tokens=cli.new_tokens, ignore_eos=True)
     ref.eval()
 
-    def run_ours():
+    def run_ours(n):
+        sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
         return [r.output_ids for r in engine.generate(prompts.tolist(), sp)]
 
-    def run_ref():
+    def run_ref(n):
         with torch.no_grad(), torch.autocast(device.type, dtype=ref.dtype, enabled=ref.dtype != torch.float32):
-            out = ref.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=cli.new_tokens,
-                               min_new_tokens=cli.new_tokens, do_sample=False, pad_token_id=0)
+            out = ref.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0)
         return out[:, cli.seq:].tolist()
 
     times, outputs = {}, {}
     for name, fn in (("nano-dsv4-rl", run_ours), ("transformers", run_ref)):
-        fn()  # warm-up
+        fn(min(cli.new_tokens, 8))  # warm-up (and the engine's CUDA graph capture)
         sync(device)
         t0 = time.perf_counter()
-        outputs[name] = fn()
+        outputs[name] = fn(cli.new_tokens)
         sync(device)
         times[name] = time.perf_counter() - t0
     same = sum(a == b for a, b in zip(outputs["nano-dsv4-rl"], outputs["transformers"]))
+    # the floor of one step at the mean context length
+    E, K, B = args.n_routed_experts, args.num_experts_per_tok, cli.batch
+    touched = E * (1 - (1 - K / E) ** B)  # expected experts hit by B tokens' K picks (uniform routing)
+    w_bytes = sum(p.numel() * p.element_size() * (touched / E if ".experts." in n else 1)
+                  for n, p in ours.named_parameters() if not n.startswith(("embed.", "mtp.")))
+    ctx, kv_el = cli.seq + cli.new_tokens / 2, args.head_dim * ours.dtype.itemsize
+    kv = sum(min(ctx, args.sliding_window) + (0 if r == 0 else min(ctx / r, args.index_topk) if r == 4 else ctx / r)
+             + (ctx / 4 * args.index_head_dim / args.head_dim if r == 4 else 0)  # the indexer reads every key
+             for r in args.compress_ratios[:args.num_hidden_layers]) * kv_el * B
+    buf = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(buf)
+    dst.copy_(buf)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(buf)
+    sync(device)
+    bw = 2 * 10 * buf.numel() / (time.perf_counter() - t0)  # read + write
+    floor = (w_bytes + kv) / bw
     n = cli.batch * cli.new_tokens
     print(f"greedy decode, {cli.model}, batch {cli.batch}, prompt {cli.seq}, {cli.new_tokens} new tokens, "
           f"{cli.dtype}, {versions}")
     for name, t in times.items():
-        print(f"  {name:14s} {n / t:10.0f} tokens/s   ({t:.2f} s)")
+        print(f"  {name:14s} {n / t:10.0f} tokens/s   ({t:.2f} s, {t / cli.new_tokens * 1e3:.2f} ms/step)")
     print(f"  ratio ours / transformers: {times['transformers'] / times['nano-dsv4-rl']:.2f}x; "
           f"identical greedy outputs: {same}/{cli.batch} sequences")
+    if cli.profile:  # eager (no graphs), to see the kernels a graph replays
+        from torch.profiler import ProfilerActivity, profile
+        eager = Engine(ours, max_batch=cli.batch, max_len=cli.seq + 16, cuda_graphs=False)
+        sp = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=0)
+        reqs = [eager.submit(p, sp, str(i)) for i, p in enumerate(prompts.tolist())]
+        eager.step()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(4):
+                eager.step()
+            sync(device)
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+    print(f"  floor: {w_bytes / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV per step at {bw / 1e12:.2f} TB/s copy "
+          f"bandwidth = {floor * 1e3:.2f} ms/step; ours {times['nano-dsv4-rl'] / cli.new_tokens / floor:.1f}x the floor")
+
+
+def bench_mismatch(ours, args, device, versions):
+    """Trainer vs engine on this device: sample with the engine (temperature 1, its logprobs), re-score the same
+    tokens with the training forward, both in --dtype with the same kernels. The alignment tool's core figure
+    (compare_logprobs.py has the full report), on any device. The model: compare_logprobs.wide_init_ (matrices
+    N(0, 1/fan_in), head x4), as the 0.02 init's near-uniform logits would hide every difference."""
+    from engine import Engine, SamplingParams
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, args.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, cli.seq + 1, (cli.batch,), generator=g)]
+    sp = [SamplingParams(temperature=1.0, max_new_tokens=cli.new_tokens, ignore_eos=True, seed=i) for i in range(cli.batch)]
+    reqs = Engine(ours, max_batch=cli.batch, max_len=cli.seq + cli.new_tokens).generate(prompts, sp)
+    diffs = []
+    with torch.no_grad():
+        for r in reqs:
+            ids = torch.tensor(r.input_ids + r.output_ids, device=device)[None]
+            lp = ours(ids)[0, len(r.input_ids) - 1:-1].log_softmax(-1).gather(-1, ids[0, len(r.input_ids):, None])
+            diffs.append((lp[:, 0].cpu() - torch.tensor(r.output_logprobs)).abs())
+    d = torch.stack(diffs)  # [prompts, new tokens]
+    print(f"trainer vs engine logprobs, {cli.model}, {cli.batch} prompts of 4-{cli.seq} tokens, {cli.new_tokens} "
+          f"sampled tokens each (temperature 1), {cli.dtype}, kernels {cli.kernels}, {versions}")
+    print(f"  mean |Δ logprob| {d.mean():.4f}   p99 {d.flatten().quantile(0.99):.4f}   max {d.max():.4f}   "
+          f"first token {d[:, 0].mean():.4f}   rest {d[:, 1:].mean():.4f}   "
+          f"(mean sampled logprob {sum(sum(r.output_logprobs) for r in reqs) / d.numel():.2f})")
 
 
 def bench_sync(args, dtype, device, versions):
@@ -182,6 +247,9 @@ if __name__ == "__main__":
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cli.dtype)
     args = ModelArgs.from_json(cli.model)
+    if cli.compile:
+        from kernels import compile_hot_paths
+        compile_hot_paths()
     if cli.layers:
         n, args.num_hidden_layers = args.num_hidden_layers, cli.layers
         args.compress_ratios = args.compress_ratios[:cli.layers] + args.compress_ratios[n:]  # MTP's entries stay
@@ -194,6 +262,12 @@ if __name__ == "__main__":
     args.compress_ratios = args.compress_ratios[:args.num_hidden_layers]
     torch.manual_seed(0)
     ours = Transformer(copy.deepcopy(args), dtype=dtype).to(device)
+    ours.set_kernels(cli.kernels == "fast" or (cli.kernels == "auto" and device.type == "cuda"))
+    if cli.what == "mismatch":
+        from compare_logprobs import wide_init_
+        dev = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+        bench_mismatch(wide_init_(ours), args, device, f"{dev}, torch {torch.__version__}")
+        raise SystemExit
     import transformers
     logging.getLogger("transformers").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as d:
@@ -204,6 +278,7 @@ if __name__ == "__main__":
     if cli.what == "decode":
         bench_decode(ours, ref, args, device, versions)
         raise SystemExit
+
     ids = torch.randint(0, args.vocab_size, (cli.batch, cli.seq), device=device)
     n_tok = cli.batch * cli.seq
     flops = train_flops(ours, args, cli.seq) * cli.batch
@@ -221,3 +296,10 @@ if __name__ == "__main__":
             results[name] = t = time_train(model, ids, fn, cli.steps, cli.warmup, device)
         print(f"  {name:14s} {n_tok / t:10.0f} tokens/s   ({t * 1e3:.0f} ms/step)   MFU {flops / t / peak:.1%}", flush=True)
     print(f"  ratio ours / transformers: {results['transformers'] / results['nano-dsv4-rl']:.2f}x")
+    if cli.profile:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            time_train(ours, ids, lambda m, x: m(x), 1, 0, device)
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))

@@ -9,7 +9,8 @@ Per layer and per sequence slot the cache holds what DeepSeek-V4's attention rea
     windows, the previous window's first-half rows;
   - for CSA layers the same again for the lightning indexer's own compressor.
 A prompt is prefilled with the training forward's functions; decode then feeds one token per step.
-Prefill followed by decode equals a full forward (tests/test_engine.py).
+Prefill followed by decode equals a full forward (tests/test_engine.py). Decode has fixed shapes and no host
+sync (compressed caches are read whole, masked), so on a GPU each batch bucket's step is one CUDA graph.
 
 Logprobs are log_softmax(logits / temperature) over the full vocabulary (log_softmax(logits) when greedy),
 taken before top-p / top-k, as SGLang returns them.
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import is_stacked, stack_experts_
 from model_dsv4 import rope_cos_sin, sink_attention
 
 GREEDY_T = 1e-6  # SGLang treats temperature below this as greedy
@@ -90,11 +92,20 @@ class KVCache:
 
 
 class Engine:
-    def __init__(self, model, max_batch=64, max_len=4096):
+    def __init__(self, model, max_batch=64, max_len=4096, cuda_graphs=True):
         self.model, self.args = model.eval(), model.args
         self.device = next(model.parameters()).device
         self.max_batch, self.max_len = max_batch, max_len
-        self.cache = KVCache(model, max_batch, max_len, self.device)
+        self.cache = KVCache(model, max_batch + 1, max_len, self.device)  # + a scratch slot for graph padding
+        # batch bucket -> CUDA graph of _decode; graphs need its sync-free path: fast kernels (grouped GEMM
+        # experts, which CUDA runs in bf16) and no FP8 emulation
+        fast = all(layer.ffn.fast for layer in model.layers.values())
+        for layer in model.layers.values():  # experts read in place by the grouped GEMM
+            experts = list(layer.ffn.experts.values())
+            if layer.ffn.fast and not is_stacked(experts, getattr(layer.ffn, "stacked", None)):
+                layer.ffn.stacked = stack_experts_(experts)
+        self.graphs = {} if (cuda_graphs and self.device.type == "cuda" and fast and model.dtype == torch.bfloat16
+                             and not any(getattr(m, "fp8_emu", False) for m in model.modules())) else None
         self.vocab_size, self.eos_token_id = self.args.vocab_size, self.args.eos_token_id
         self.weight_version = "default"
         self.lock = threading.Lock()  # held while stepping: weight swaps take it
@@ -183,8 +194,7 @@ class Engine:
                 tokens = torch.tensor([r.output_ids[-1] for r in reqs], device=self.device)
                 pos = torch.tensor([len(r.input_ids) + len(r.output_ids) - 1 for r in reqs], device=self.device)
                 logits = self.decode(torch.tensor(slots, device=self.device), tokens, pos)
-                for r, row in zip(reqs, logits):
-                    self._sample(r, row)
+                self._sample(reqs, logits)
 
     def _admit(self):
         with self.wake:
@@ -209,7 +219,7 @@ class Engine:
             if src is not req:
                 self.cache.copy(src.slot, req.slot)
             self.running[req.slot] = req
-            self._sample(req, logits[id(src)])
+        self._sample(batch, torch.stack([logits[id(first[tuple(r.input_ids)])] for r in batch]))
 
     def _finish_aborted(self):
         with self.wake:
@@ -224,30 +234,35 @@ class Engine:
         self.running.pop(req.slot, None)
         req.done.set()
 
-    def _sample(self, req, logits):
-        """logits: fp32 [vocab]. Sample with the request's own generator; record SGLang's logprob."""
-        p = req.params
-        if p.temperature < GREEDY_T:
-            logprobs = logits.log_softmax(-1)
-            token = int(logprobs.argmax())
-        else:
-            logprobs = (logits / p.temperature).log_softmax(-1)
-            probs = logprobs.exp()
-            if p.top_k > 0:
-                kth = probs.topk(min(p.top_k, probs.numel())).values[-1]
-                probs = probs.masked_fill(probs < kth, 0.0)
-            if p.top_p < 1.0:
-                sorted_p, order = probs.sort(descending=True)
-                drop = sorted_p.cumsum(-1) - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
-                probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-            token = int(torch.multinomial(probs, 1, generator=req.generator))
-        req.output_ids.append(token)
-        req.output_logprobs.append(float(logprobs[token]))
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else {self.eos_token_id})
-        if token in stops:
-            self._finish(req, {"type": "stop", "matched": token})
-        elif len(req.output_ids) >= p.max_new_tokens:
-            self._finish(req, {"type": "length", "length": len(req.output_ids)})
+    def _sample(self, reqs, logits):
+        """logits: fp32 [B, vocab], a row per request. Each row draws with its request's own generator, by an
+        exponential race (argmax of p_i / E_i, E_i ~ Exp(1), picks token i with probability p_i), so the batch is
+        sampled at once and read back to the host once. Records SGLang's logprob of the chosen token."""
+        V, dev = logits.shape[1], logits.device
+        temp = torch.tensor([r.params.temperature for r in reqs], device=dev)
+        greedy = temp < GREEDY_T
+        logprobs = (logits / torch.where(greedy, 1.0, temp)[:, None]).log_softmax(-1)
+        probs = logprobs.exp()
+        top_k = [r.params.top_k if 0 < r.params.top_k < V else V for r in reqs]
+        top_p = [r.params.top_p for r in reqs]
+        if min(top_p) < 1.0 or min(top_k) < V:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = torch.arange(V, device=dev)[None] >= torch.tensor(top_k, device=dev)[:, None]
+            # top-p: keep the smallest prefix reaching top_p
+            drop |= sorted_p.cumsum(-1) - sorted_p > torch.tensor(top_p, device=dev)[:, None]
+            probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+        race = torch.stack([torch.empty(V, device=dev).exponential_(generator=r.generator) for r in reqs])
+        token = torch.where(greedy, logprobs.argmax(-1), (probs / race.clamp_min(1e-30)).argmax(-1))
+        chosen = torch.stack([token.double(), logprobs.gather(1, token[:, None])[:, 0].double()]).tolist()
+        for req, token, lp in zip(reqs, *chosen):
+            p, token = req.params, int(token)
+            req.output_ids.append(token)
+            req.output_logprobs.append(lp)
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else {self.eos_token_id})
+            if token in stops:
+                self._finish(req, {"type": "stop", "matched": token})
+            elif len(req.output_ids) >= p.max_new_tokens:
+                self._finish(req, {"type": "length", "length": len(req.output_ids)})
 
     # ------------------------------------------------------------------ the model, with the cache
     def prefill(self, slots, prompts):
@@ -285,7 +300,41 @@ class Engine:
         return model.logits(x[torch.arange(len(prompts), device=self.device), last][:, None])[:, 0]
 
     def decode(self, slots, tokens, pos):
-        """One token per sequence. slots, tokens, pos: [B] -> fp32 logits [B, vocab]."""
+        """One token per sequence. slots, tokens, pos: [B] -> fp32 logits [B, vocab].
+        On a GPU this replays a CUDA graph of _decode captured for the smallest batch bucket >= B (the padding
+        rows decode into the scratch slot): one launch instead of thousands, which is what bounds decode there."""
+        if self.graphs is None:
+            return self._decode(slots, tokens, pos)
+        B = len(slots)
+        bucket = next(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, self.max_batch) if b >= B)
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(bucket)
+        g = self.graphs[bucket]
+        g.slots.fill_(self.max_batch)
+        g.tokens.zero_()
+        g.pos.zero_()
+        g.slots[:B], g.tokens[:B], g.pos[:B] = slots, tokens, pos
+        g.graph.replay()
+        return g.out[:B]
+
+    def _capture(self, bucket):
+        """Record _decode for `bucket` rows on static input tensors, after two warm-up runs on a side stream."""
+        g = type("Graph", (), {})()
+        g.slots = torch.full((bucket,), self.max_batch, device=self.device)
+        g.tokens, g.pos = (torch.zeros(bucket, dtype=torch.long, device=self.device) for _ in range(2))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._decode(g.slots, g.tokens, g.pos)
+        torch.cuda.current_stream().wait_stream(side)
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=getattr(self, "graph_pool", None)):
+            g.out = self._decode(g.slots, g.tokens, g.pos)
+        self.graph_pool = g.graph.pool()  # the buckets share one memory pool
+        return g
+
+    def _decode(self, slots, tokens, pos):
         model = self.model
         x = model.embed_streams(tokens[:, None])  # [B, 1, n, D]
         for layer, c in zip(model.layers.values(), self.cache.layers):
@@ -297,21 +346,21 @@ class Engine:
 
     def _compressor_step(self, comp, h, c, name, slots, pos):
         """Add one token's kv/score row to its partial window; when the window completes, pool it into a
-        new compressed entry (RoPE at the window's first position) and roll the overlap state."""
+        new compressed entry (RoPE at the window's first position) and roll the overlap state.
+        Every row is pooled and the result kept only where the window is complete: no host sync, fixed shapes."""
         m, d = comp.ratio, comp.head_dim
         kv, score = comp.project(h[:, 0])  # [B, coff*d]
         j = pos % m
         c[name + "_kv"][slots, j], c[name + "_score"][slots, j] = kv, score
-        full = (j == m - 1).nonzero()[:, 0]
-        if len(full):
-            s = slots[full]
-            st_kv, st_score = c[name + "_kv"][s], c[name + "_score"][s]  # [b, m, coff*d]
-            pooled = comp.pool(st_kv[:, None], st_score[:, None], c[name + "_prev_kv"][s], c[name + "_prev_score"][s])
-            first = (pos[full] + 1 - m)[:, None]
-            c[name][s, pos[full] // m] = comp.finish(pooled, self.args, first)[:, 0]
-            if comp.overlap:
-                c[name + "_prev_kv"][s] = st_kv[..., :d]
-                c[name + "_prev_score"][s] = (st_score + comp.ape)[..., :d]
+        full = (j == m - 1)[:, None]
+        st_kv, st_score = c[name + "_kv"][slots], c[name + "_score"][slots]  # [B, m, coff*d]
+        prev_kv, prev_score = c[name + "_prev_kv"][slots], c[name + "_prev_score"][slots]
+        pooled = comp.pool(st_kv[:, None], st_score[:, None], prev_kv, prev_score)
+        entry = comp.finish(pooled, self.args, (pos + 1 - m)[:, None])[:, 0]
+        c[name][slots, pos // m] = torch.where(full, entry, c[name][slots, pos // m])
+        if comp.overlap:
+            c[name + "_prev_kv"][slots] = torch.where(full[:, None], st_kv[..., :d], prev_kv)
+            c[name + "_prev_score"][slots] = torch.where(full[:, None], (st_score + comp.ape)[..., :d], prev_score)
 
     def _attn_decode(self, attn, h, c, slots, pos):
         a = self.args
@@ -325,7 +374,8 @@ class Engine:
         if attn.ratio:
             self._compressor_step(attn.compressor, h, c, "comp", slots, pos)
             n_vis = (pos + 1) // attn.ratio  # entries whose whole window is at or before pos
-            S = max(int(n_vis.max()), 1)
+            # CUDA graphs need fixed shapes: every cache entry, masked; eager reads up to the longest sequence's
+            S = c["comp"].shape[1] if self.graphs is not None else max(int(n_vis.max()), 1)
             visible = torch.arange(S, device=pos.device)[None] < n_vis[:, None]  # [B, S]
             if attn.indexer is not None:
                 self._compressor_step(attn.indexer.compressor, h, c, "idx", slots, pos)

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 import torch.nn.functional as F
+from kernels import grouped_experts, linear_f32, matmul_f32, window_attention
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
 # -----------------------------------------------------------------------------
@@ -185,7 +186,7 @@ class RMSNorm(nn.Module):
 
 
 @lru_cache(maxsize=64)
-def rope_inv_freq(rd, theta, scaling_items=None):
+def rope_inv_freq(rd, theta, scaling_items=None, device="cpu"):
     """Per-pair inverse frequencies theta_i = base^(-2i/rd); YaRN blends in theta_i/factor (no mscale, spec §2.4)."""
     inv = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
     s = dict(scaling_items or ())
@@ -196,17 +197,17 @@ def rope_inv_freq(rd, theta, scaling_items=None):
         high = min(math.ceil(corr(s.get("beta_slow", 1))), rd - 1)
         ramp = ((torch.arange(rd // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
         inv = inv / factor * ramp + inv * (1 - ramp)
-    return inv
+    return inv.to(device)  # cached per device: no host-to-device copy per call (CUDA graphs forbid one)
 
 
 def rope_cos_sin(args, ratio, pos):
     """cos/sin [len(pos), rd/2] for a layer: plain base for ratio 0, compress base + YaRN otherwise."""
     if ratio == 0:
-        inv = rope_inv_freq(args.qk_rope_head_dim, float(args.rope_theta))
+        inv = rope_inv_freq(args.qk_rope_head_dim, float(args.rope_theta), None, pos.device)
     else:
         items = tuple(sorted((args.rope_scaling or {}).items()))
-        inv = rope_inv_freq(args.qk_rope_head_dim, float(args.compress_rope_theta), items)
-    ang = pos.float()[:, None] * inv.to(pos.device)[None, :]
+        inv = rope_inv_freq(args.qk_rope_head_dim, float(args.compress_rope_theta), items, pos.device)
+    ang = pos.float()[:, None] * inv[None, :]
     return ang.cos(), ang.sin()
 
 
@@ -239,8 +240,7 @@ class Compressor(nn.Module):
 
     def project(self, x):
         """Per-token kv and gate scores in fp32: [B, T, coff*d] each (the reference computes them in fp32)."""
-        xf = x.float()
-        return F.linear(xf, self.wkv.weight.float()), F.linear(xf, self.wgate.weight.float())
+        return linear_f32(x, self.wkv.weight), linear_f32(x, self.wgate.weight)
 
     def pool(self, kv, score, prev_kv=None, prev_score=None):
         """kv, score: [B, W, ratio, coff*d] for W complete windows (ape not yet added).
@@ -297,7 +297,7 @@ class Indexer(nn.Module):
         q = apply_rope(self.wq_b(qr).view(B, T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
         q = index_quant_sim(q) if self.wq_b.fp8_emu else q  # k was rotated and rounded by the compressor
         w = F.linear(x, self.weights_proj.weight).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
-        s = torch.einsum("bthd,bsd->bths", q.float(), k.float()).relu()
+        s = matmul_f32(q.flatten(1, 2), k.transpose(1, 2)).view(B, T, self.n_heads, -1).relu()
         return torch.einsum("bths,bth->bts", s, w)
 
     def forward(self, x, qr, args, visible):
@@ -326,6 +326,7 @@ def sink_attention(q, kv, mask, sink, scale):
 
 class Attention(nn.Module):
     """Shared-KV MQA with a low-rank query, sliding window + optional compressed keys, and an attention sink."""
+    fast = False  # set by Transformer.set_kernels
     def __init__(self, layer_id, args):
         super().__init__()
         self.args, self.layer_id = args, layer_id
@@ -371,15 +372,19 @@ class Attention(nn.Module):
         pos = torch.arange(T, device=x.device)
         cos, sin = rope_cos_sin(self.args, self.ratio, pos)
         q, qr = self.query(x, cos, sin)
-        kv = self.window_kv(x, cos, sin)
-        # window: key j visible from query t iff t - window < j <= t
-        mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.args.sliding_window))[None]
+        kv, ckv, cmask = self.window_kv(x, cos, sin), None, None
         if self.ratio:
             ckv = self.compressor(x, self.args)  # [B, S, d]
             S = ckv.shape[1]
             # entry s covers tokens up to s*ratio + ratio - 1, so query t sees s < (t + 1) // ratio
             visible = torch.arange(S, device=x.device)[None, :] < ((pos + 1) // self.ratio)[:, None]  # [T, S]
             cmask = self.indexer(x, qr, self.args, visible) if self.indexer is not None else visible[None]
+        if self.fast:  # kernels.py: the same softmax by blocks of `sliding_window` queries
+            o = window_attention(q, kv, ckv, cmask, self.attn_sink, self.softmax_scale, self.args.sliding_window)
+            return self.output(o, cos, sin)
+        # window: key j visible from query t iff t - window < j <= t
+        mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.args.sliding_window))[None]
+        if self.ratio:
             kv = torch.cat([kv, ckv], dim=1)
             mask = torch.cat([mask.expand(cmask.shape[0], -1, -1), cmask], dim=-1)
         o = sink_attention(q, kv, mask, self.attn_sink, self.softmax_scale)
@@ -406,7 +411,7 @@ class Gate(nn.Module):
 
     def forward(self, x, ids):
         # x: [N, D], ids: [N] -> weights [N, K] fp32, expert ids [N, K]
-        logits = F.linear(x.float(), self.weight.float())
+        logits = linear_f32(x, self.weight)
         f = self.args.scoring_func
         scores = logits.softmax(-1) if f == "softmax" else logits.sigmoid() if f == "sigmoid" else F.softplus(logits).sqrt()
         if self.hash:
@@ -477,7 +482,10 @@ def dispatch(x, weights, idx, n_local, group):
     ep = group_size(group)
     flat = idx.flatten()
     order = flat.argsort(stable=True)  # pairs sorted by expert, hence by destination rank
-    send = torch.bincount(flat, minlength=n_local * ep)  # [E] pairs per expert
+    # [E] pairs per expert; scatter_add, not bincount, which reads the max id back to the host
+    send = torch.zeros(n_local * ep, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    if ep == 1:  # nothing to exchange: the counts stay on the device (no host sync)
+        return x[order // idx.shape[1]], weights.flatten()[order], send, (order, None, None, None)
     recv = send
     if ep > 1:  # recv[r * n_local + j]: pairs rank r sends to my local expert j
         recv = all_to_all_single(torch.empty_like(send), send, None, None, group)
@@ -495,8 +503,10 @@ def dispatch(x, weights, idx, n_local, group):
 def combine(ys, ctx, n_tokens, top_k, group):
     """The exact reverse of dispatch: ys [R, D] (grouped by local expert) -> fp32 [N, D], summed over top-k."""
     order, perm, send_splits, recv_splits = ctx
-    ys = ys[torch.argsort(perm)]  # back to (source rank, expert) order
-    out = all_to_all(ys, send_splits, recv_splits, group)  # back home, in `order`
+    out = ys
+    if perm is not None:
+        ys = ys[torch.argsort(perm)]  # back to (source rank, expert) order
+        out = all_to_all(ys, send_splits, recv_splits, group)  # back home, in `order`
     y = torch.zeros(n_tokens, ys.shape[1], dtype=torch.float32, device=ys.device)
     return y.index_add_(0, order // top_k, out.float())
 
@@ -505,6 +515,7 @@ class MoE(nn.Module):
     """Routed experts + one shared expert. Every V4 layer is MoE; there are no dense FFN layers.
     With an EP group, this rank holds experts [ep_rank * n_local, (ep_rank + 1) * n_local); the router
     and the shared expert are replicated. Expert names keep their global index (experts.{e})."""
+    fast = False  # set by Transformer.set_kernels: grouped GEMM experts (kernels.py)
     def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
         self.args, self.ep_group = args, ep_group
@@ -519,7 +530,13 @@ class MoE(nn.Module):
 
     def run_experts(self, xs, ws, counts):
         """Each local expert on its contiguous slice of rows. xs: [R, D], ws: [R] -> [R, D]"""
+        # grouped GEMM: bf16 on CUDA (any dtype on the CPU); FP8 emulation has its sims in Expert only
+        if self.fast and (xs.dtype == torch.bfloat16 or not xs.is_cuda) and not self.shared_experts.w1.fp8_emu:
+            counts = counts if torch.is_tensor(counts) else torch.tensor(counts, device=xs.device)
+            return grouped_experts(list(self.experts.values()), xs, ws, counts, self.args.swiglu_limit,
+                                   getattr(self, "stacked", None))
         out, start = [], 0
+        counts = counts.tolist() if torch.is_tensor(counts) else counts
         for expert, c in zip(self.experts.values(), counts):
             # Pad the group to a multiple of 8 rows: BLAS picks other kernels for small odd row counts,
             # which would make a token's output depend on how many other tokens chose this expert
@@ -683,6 +700,12 @@ class Transformer(nn.Module):
             m.fp8_emu = on
         return self
 
+    def set_kernels(self, fast=True):
+        """kernels.py's block-wise window attention and grouped GEMM experts (on) or the plain reference (off)."""
+        for m in (m for m in self.modules() if isinstance(m, (Attention, MoE))):
+            m.fast = fast
+        return self
+
     def embed_streams(self, input_ids):
         # [B, T] -> [B, T, n, D]: n plain copies of the embedding
         h = self.embed(input_ids)
@@ -691,7 +714,7 @@ class Transformer(nn.Module):
     def logits(self, x):
         # [B, T, n, D] -> fp32 [B, T, vocab]; the final norm comes after the stream collapse
         h = self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.args))
-        return F.linear(h.float(), self.head.weight.float())
+        return linear_f32(h, self.head.weight)
 
     def forward(self, input_ids, mtp=False):
         """input_ids [B, T] -> fp32 logits [B, T, vocab]. With mtp=True also the MTP logits
@@ -705,7 +728,7 @@ class Transformer(nn.Module):
         assert len(self.mtp) > 0, "this model has no MTP layer (num_nextn_predict_layers = 0)"
         nxt = input_ids[:, 1:]
         h = self.mtp[0](x[:, :-1], self.embed(nxt), nxt)
-        return logits, F.linear(h.float(), self.head.weight.float())
+        return logits, linear_f32(h, self.head.weight)
 
 
 # -----------------------------------------------------------------------------

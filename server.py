@@ -560,6 +560,7 @@ def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None
     if path:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = from_pretrained(path, device=device, dtype=dtype)
+    model.set_kernels(next(model.parameters()).is_cuda)  # kernels.py for prefill on a GPU (decode: engine.py)
     httpd = HTTPServer((host, port), Handler)
     httpd.app = app = Server(model, path, api_key, max_batch, max_len, quant)
     if app.qformats:  # the quantized state: the checkpoint's own (official format), else quantized here, once

@@ -56,6 +56,8 @@ dry_run = False  # build the layout on the meta device, print the per-rank memor
 init_from = 'scratch'  # 'scratch' (model_config) or a checkpoint directory with config.json + safetensors
 model_config = 'config/models/tiny.json'
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
+kernels = 'auto'  # 'fast' | 'reference' (kernels.py: block-wise window attention, grouped GEMM experts) | 'auto': fast on CUDA
+compile = False  # torch.compile mHC's Sinkhorn, norms and RoPE (kernels.compile_hot_paths); GPU
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the toy task, else 'deepseek-v4'
 resume = False  # continue from the newest complete checkpoint in out_dir
 # parallel layout (tensor parallel is fixed at 1)
@@ -156,6 +158,12 @@ print0(f"building the model ({'scratch' if not model_dir else model_dir}), {dtyp
 model = parallel.build_stage(args, grid, dtype=ptype, pp_layers=split, init=model_dir is None, seed=seed)
 if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
+if kernels not in ('auto', 'fast', 'reference'):
+    raise SystemExit(f"error: kernels must be 'auto', 'fast' or 'reference', got {kernels!r}")
+model.set_kernels(kernels == 'fast' or (kernels == 'auto' and grid.device.type == 'cuda'))
+if compile:
+    from kernels import compile_hot_paths
+    compile_hot_paths()
 if trainable == 'auto':  # the toy task's recipe: a random body, see tasks.py
     trainable = 'io' if data == 'toy' and init_from == 'scratch' else 'all'
 if trainable not in ('all', 'io'):

@@ -1,0 +1,129 @@
+"""
+Fast paths for the model's three expensive pieces, each beside the plain reference it replaces in model_dsv4.py
+(tests/test_kernels.py checks that the two agree, forward and backward):
+
+  - matmul_f32: x @ w.T with an fp32 result from bf16 operands (tensor cores, fp32 accumulation, no rounding of
+    the result); the reference writes F.linear(x.float(), w.float()), which is the same product but runs as an
+    fp32 GEMM. Used by the router, the compressors, the indexer and the output head. Always on: on the CPU or in
+    fp32 it *is* the reference.
+  - grouped_experts: every local expert in two grouped GEMMs (torch._grouped_mm) instead of a Python loop.
+    Reference: MoE.run_experts.
+  - window_attention: sink attention over [window keys | compressed keys] computed per block of `window` queries,
+    so the [T, T] score matrix of the reference (sink_attention with a band mask) is never formed.
+
+`Transformer.set_kernels(True)` switches the last two on (train_grpo.py: `kernels='auto'` = on for CUDA).
+"""
+import torch
+import torch.nn.functional as F
+
+# T tokens, H heads, d head dim, w window (= block of queries), nb blocks, S compressed entries, e local experts
+
+
+class _MatmulF32(torch.autograd.Function):
+    """y = a @ b (a [..., M, K], b [..., K, N], both bf16) as fp32. Backward: the fp32 gradient is rounded to bf16
+    once, then two more GEMMs with fp32 results, rounded to the operands' dtype (what a bf16 trainer stores)."""
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return (torch.mm if a.dim() == 2 else torch.bmm)(a, b, out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        g = g.to(a.dtype)
+        return g @ b.transpose(-1, -2), a.transpose(-1, -2) @ g
+
+
+def matmul_f32(a, b):
+    """fp32 a @ b for a [M, K] or [B, M, K] and b [K, N] or [B, K, N]."""
+    if a.is_cuda and a.dtype == b.dtype == torch.bfloat16:
+        return _MatmulF32.apply(a, b)
+    return a.float() @ b.float()
+
+
+def linear_f32(x, w):
+    """fp32 F.linear(x, w) for x [..., K], w [N, K]."""
+    return matmul_f32(x.reshape(-1, x.shape[-1]), w.t()).view(*x.shape[:-1], w.shape[0])
+
+
+def stack_experts_(experts):
+    """For inference (engine.py): move the local experts' weights into two stacked tensors and make each expert's
+    parameters views of them, so grouped_experts reads them in place instead of stacking every step. Weight
+    loads write through the views. Returns (w13 [e, 2I, D], w2 [e, D, I])."""
+    I = experts[0].w1.weight.shape[0]
+    w13 = torch.stack([torch.cat([e.w1.weight.data, e.w3.weight.data]) for e in experts])
+    w2 = torch.stack([e.w2.weight.data for e in experts])
+    for i, e in enumerate(experts):
+        e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = w13[i, :I], w13[i, I:], w2[i]
+    return w13, w2
+
+
+def is_stacked(experts, stacked):
+    """Whether the experts' parameters are (still) the views stack_experts_ made of `stacked`."""
+    I = experts[0].w1.weight.shape[0]
+    return stacked is not None and all(
+        e.w1.weight.data_ptr() == stacked[0][i].data_ptr() and e.w3.weight.data_ptr() == stacked[0][i, I:].data_ptr()
+        and e.w2.weight.data_ptr() == stacked[1][i].data_ptr() for i, e in enumerate(experts))
+
+
+def grouped_experts(experts, xs, ws, counts, limit, stacked=None):
+    """xs [R, D] rows sorted by local expert, ws [R] fp32 routing weights, counts [e] rows per expert (a tensor:
+    no host sync) -> [R, D]. Same math as Expert.forward: clamped SwiGLU, routing weight before w2.
+    The weights: `stacked` (stack_experts_) when no gradient is wanted and the parameters are still its views
+    (a deepcopy or a dtype cast breaks that), else stacked here (the checkpoint keeps a tensor per expert)."""
+    if torch.is_grad_enabled() or not is_stacked(experts, stacked):
+        stacked = (torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in experts]),  # [e, 2I, D]
+                   torch.stack([e.w2.weight for e in experts]))  # [e, D, I]
+    w13, w2 = stacked
+    offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
+    g, u = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
+    if limit:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    h = (F.silu(g) * u * ws[:, None]).to(xs.dtype)
+    return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+
+
+def window_attention(q, kv, ckv, cmask, sink, scale, window):
+    """The softmax of model_dsv4.sink_attention over window keys (t - window < j <= t) plus compressed keys,
+    by blocks: the queries of block i only see window keys in blocks i-1 and i.
+    q [B, T, H, d], kv [B, T, d] window keys (= values), ckv [B, S, d] or None, cmask bool [B or 1, T, S] ->
+    [B, T, H, d]"""
+    B, T, H, d = q.shape
+    w, dt = window, kv.dtype
+    nb = -(-T // w)
+    pad = nb * w - T
+    qb = F.pad(q, (0, 0, 0, 0, 0, pad)).reshape(B * nb, w * H, d)  # rows (t, h) of a block
+    kvp = F.pad(kv, (0, 0, w, pad))  # a zero block in front: block 0's "previous block"
+    keys = torch.cat([kvp[:, :-w].reshape(B, nb, w, d), kvp[:, w:].reshape(B, nb, w, d)], dim=2).flatten(0, 1)
+    logits = matmul_f32(qb, keys.transpose(1, 2)).view(B * nb, w, H, 2 * w) * scale  # [B*nb, w, H, 2w]
+    t = torch.arange(nb * w, device=q.device).view(nb, w, 1)  # query position
+    j = (t - t % w - w) + torch.arange(2 * w, device=q.device)  # key position: blocks i-1 and i
+    band = ((j <= t) & (j > t - w) & (j >= 0)).view(1, nb, w, 1, 2 * w)
+    logits = logits.view(B, nb, w, H, 2 * w).masked_fill(~band, float("-inf")).view(B * nb, w, H, 2 * w)
+    parts = [logits]
+    if ckv is not None and ckv.shape[1]:
+        S = ckv.shape[1]
+        qc = F.pad(q, (0, 0, 0, 0, 0, pad)).reshape(B, nb * w * H, d)
+        clog = matmul_f32(qc, ckv.transpose(1, 2)).view(B, nb * w, H, S) * scale
+        cm = F.pad(cmask.expand(B, -1, -1), (0, 0, 0, pad))[:, :, None]  # [B, nb*w, 1, S]
+        parts.append(clog.masked_fill(~cm, float("-inf")).view(B * nb, w, H, S))
+    parts.append(sink.float().view(1, 1, H, 1).expand(B * nb, w, H, 1))
+    probs = torch.cat(parts, dim=-1).softmax(dim=-1).to(dt)  # the sink's column only enlarges the denominator
+    out = probs[..., :2 * w].reshape(B * nb, w * H, 2 * w) @ keys  # [B*nb, w*H, d]
+    out = out.view(B, nb * w, H, d)
+    if len(parts) == 3:
+        pc = probs[..., 2 * w:-1].reshape(B, nb * w * H, -1)
+        out = out + (pc @ ckv).view(B, nb * w, H, d)
+    return out[:, :T]
+
+
+def compile_hot_paths():
+    """`compile=True` (train_grpo.py, bench.py --compile): torch.compile the chains of small elementwise ops that
+    leave a GPU waiting on kernel launches, above all mHC's Sinkhorn (20 iterations of sum and divide per
+    sublayer: ~6,000 launches per bench_2b training step). The functions are swapped where model_dsv4 looks them
+    up, so one call covers the trainer, the engine's prefill and decode (inside its CUDA graphs) alike."""
+    import model_dsv4 as m
+    compile = lambda fn: torch.compile(fn, dynamic=True)
+    m.hc_split_sinkhorn, m.hc_mixes, m.apply_rope = (compile(f) for f in (m.hc_split_sinkhorn, m.hc_mixes, m.apply_rope))
+    m.Block.hc_post = compile(m.Block.hc_post)
+    m.RMSNorm.forward = compile(m.RMSNorm.forward)

@@ -1,0 +1,162 @@
+"""kernels.py's fast paths against the plain references they replace: the block-wise window attention vs
+sink_attention with a band mask, grouped GEMM experts vs the per-expert loop, the whole model both ways
+(forward and every gradient), and on a GPU the bf16 fp32-result matmul vs an fp32 GEMM."""
+import copy
+
+import pytest
+import torch
+
+from conftest import SMALL, TINY, randomize_
+from kernels import grouped_experts, matmul_f32, window_attention
+from model_dsv4 import Transformer, sink_attention
+
+CUDA = torch.cuda.is_available()
+
+
+def band_reference(q, kv, ckv, cmask, sink, scale, w):
+    T = q.shape[1]
+    pos = torch.arange(T)
+    mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w))[None]
+    if ckv is not None:
+        kv, mask = torch.cat([kv, ckv], 1), torch.cat([mask.expand(cmask.shape[0], -1, -1), cmask], -1)
+    return sink_attention(q, kv, mask, sink, scale)
+
+
+@pytest.mark.parametrize("T,S", [(40, 0), (64, 16), (77, 19), (5, 1)])
+def test_window_attention_equals_band_mask(T, S):
+    """Forward and gradients (q, keys, sinks) equal the reference's, for T a multiple of the window or not."""
+    g = torch.Generator().manual_seed(T)
+    B, H, d, w = 2, 3, 16, 16
+    q, kv, sink = (torch.randn(*s, generator=g, requires_grad=True) for s in ((B, T, H, d), (B, T, d), (H,)))
+    ckv = torch.randn(B, S, d, generator=g, requires_grad=True) if S else None
+    cmask = torch.rand(B, T, S, generator=g) < 0.5 if S else None
+    outs = []
+    for fn in (window_attention, band_reference):
+        y = fn(q, kv, ckv, cmask, sink, 0.25, w)
+        grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum(),
+                                    [t for t in (q, kv, sink, ckv) if t is not None])
+        outs.append((y, *grads))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_experts_equal_loop():
+    """Groups of 0, 1, odd and larger sizes; fp32 on the CPU, so the two must agree to rounding."""
+    model = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
+                       SMALL.num_experts_per_tok)
+    moe = model.layers["0"].ffn
+    counts = torch.tensor([0, 1, 3, 0, 8, 5, 2, 13])
+    g = torch.Generator().manual_seed(0)
+    xs = torch.randn(int(counts.sum()), SMALL.hidden_size, generator=g, requires_grad=True)
+    ws = torch.rand(xs.shape[0], generator=g)
+    limit = 0.5  # low: the clamps are active
+    for e in moe.experts.values():
+        e.limit = limit
+    fast = grouped_experts(list(moe.experts.values()), xs, ws, counts, limit)
+    ref = moe.run_experts(xs, ws, counts.tolist())
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+    gw = [e.w1.weight for e in moe.experts.values()]
+    ga = torch.autograd.grad(fast.square().sum(), [xs] + gw)
+    gb = torch.autograd.grad(ref.square().sum(), [xs] + gw)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("args,T", [(TINY, 100), (SMALL, 300)], ids=["tiny", "small"])
+def test_model_fast_equals_reference(args, T):
+    """The whole model with set_kernels(True) vs (False): logits and every parameter's gradient, fp32."""
+    ref = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,
+                     args.num_experts_per_tok, seed=4)
+    fast = copy.deepcopy(ref).set_kernels(True)
+    ids = torch.randint(0, args.vocab_size, (2, T), generator=torch.Generator().manual_seed(5))
+    out = []
+    for m in (fast, ref):
+        logits = m(ids)
+        logits.log_softmax(-1)[..., 0].sum().backward()
+        out.append((logits, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-5, atol=1e-5)
+    assert out[0][1].keys() == out[1][1].keys()
+    for n, a in out[0][1].items():  # relative to the tensor's largest entry: sums of many terms cancel
+        b = out[1][1][n]
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), n
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16 tensor-core GEMM with an fp32 result: CUDA only")
+def test_matmul_f32_on_gpu():
+    """bf16 operands, fp32 result: equals the fp32 GEMM of the same (bf16) values to fp32 rounding."""
+    a = torch.randn(3, 256, 512, device="cuda").bfloat16().requires_grad_()
+    b = torch.randn(3, 512, 128, device="cuda").bfloat16().requires_grad_()
+    y = matmul_f32(a, b)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, a.float() @ b.float(), rtol=1e-5, atol=1e-4)
+    ga, gb = torch.autograd.grad(y.sum(), [a, b])
+    torch.testing.assert_close(ga.float(), (torch.ones_like(y) @ b.float().transpose(1, 2)), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="the bf16 fast path on a GPU")
+def test_model_fast_bf16_as_accurate_as_reference_gpu():
+    """On the GPU in bf16 the two paths round differently: the fast one must be as close to the fp32 model as the
+    reference is (mean |Δ logprob| over the vocabulary, within 1.5x)."""
+    m32 = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
+                     SMALL.num_experts_per_tok, seed=4).cuda()
+    ref = copy.deepcopy(m32).set_dtype(torch.bfloat16)
+    fast = copy.deepcopy(ref).set_kernels(True)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 300), device="cuda")
+    with torch.no_grad():
+        exact = m32(ids).log_softmax(-1)
+        err_ref, err_fast = ((m(ids).log_softmax(-1) - exact).abs().mean().item() for m in (ref, fast))
+    assert err_fast <= 1.5 * err_ref + 1e-4, (err_fast, err_ref)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_engine_cuda_graphs_equal_eager_and_forward():
+    """bf16 on the GPU: the graphed decode gives the eager decode's tokens, and logprobs up to bf16 rounding (the
+    graph reads every compressed entry, masked, and pads the batch to its bucket; eager reads only the visible
+    entries: other GEMM shapes, ~3e-3 in a logprob), and it is as close to the full forward as the reference
+    kernels' engine is to theirs (bf16 rounding differs between a batched decode and a full forward)."""
+    from engine import Engine, SamplingParams
+    model = randomize_(Transformer(copy.deepcopy(TINY), dtype=torch.float32), TINY.n_routed_experts,
+                       TINY.num_experts_per_tok, seed=6).set_dtype(torch.bfloat16).cuda().set_kernels(True)
+    prompts = [torch.randint(2, TINY.vocab_size, (n,)).tolist() for n in (5, 37, 64, 20)]
+    params = [SamplingParams(temperature=0.8, max_new_tokens=40, ignore_eos=True, seed=s) for s in range(4)]
+    engines = [Engine(model, max_batch=4, max_len=160, cuda_graphs=g) for g in (True, False)]
+    assert engines[0].graphs is not None and engines[1].graphs is None
+    runs = [e.generate(prompts, params) for e in engines]
+    assert len(engines[0].graphs) > 0
+    for a, b in zip(*runs):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), rtol=0, atol=0.05)
+
+    def mean_gap(m, reqs):
+        gaps = []
+        for r in reqs:
+            ids = torch.tensor(r.input_ids + r.output_ids, device="cuda")[None]
+            with torch.no_grad():
+                lp = (m(ids)[0, len(r.input_ids) - 1:-1] / 0.8).log_softmax(-1)
+            gaps.append((lp.gather(-1, ids[0, len(r.input_ids):, None])[:, 0].cpu() - torch.tensor(r.output_logprobs)).abs())
+        return torch.cat(gaps).mean().item()
+    ref_model = copy.deepcopy(model).set_kernels(False)
+    ref_gap = mean_gap(ref_model, Engine(ref_model, max_batch=4, max_len=160).generate(prompts, params))
+    assert mean_gap(model, runs[0]) <= 2 * ref_gap + 0.01, (mean_gap(model, runs[0]), ref_gap)
+
+
+def test_engine_stacked_experts_follow_weight_loads():
+    """The engine's stacked expert weights are the parameters' storage: a weight load reaches the grouped GEMM,
+    and a deepcopy (which breaks the views) falls back to stacking per call, with equal results."""
+    from engine import Engine
+    from kernels import is_stacked
+    model = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
+                       SMALL.num_experts_per_tok, seed=7).set_kernels(True)
+    ids = torch.randint(0, SMALL.vocab_size, (1, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        before = model(ids)
+        engine = Engine(model, max_batch=2, max_len=64)
+        moe = model.layers["0"].ffn
+        assert is_stacked(list(moe.experts.values()), moe.stacked)
+        torch.testing.assert_close(model(ids), before, rtol=0, atol=0)
+        w = moe.experts["3"].w2.weight
+        engine.load_weights({"layers.0.ffn.experts.3.w2.weight": w * 2})
+        assert torch.equal(moe.stacked[1][3], w) and not torch.equal(model(ids), before)
+        twin = copy.deepcopy(model)
+        assert not is_stacked(list(twin.layers["0"].ffn.experts.values()), twin.layers["0"].ffn.stacked)
+        torch.testing.assert_close(twin(ids), model(ids), rtol=0, atol=0)
