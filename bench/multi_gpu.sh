@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 10's runs, for a machine with 4 (or 8) GPUs. NOT RUN YET: no multi-GPU machine has been lent so far.
+# Every parallel code path picks NCCL (RCCL on ROCm) and cuda:LOCAL_RANK by itself when CUDA is available, so the
+# CPU tests and commands below are the GPU runs as they are. Output: $OUT/multi_gpu.txt
+export PYTHONUNBUFFERED=1
+N=${N:-$(nvidia-smi -L | wc -l)}
+run() { echo "### $*"; timeout "$@" 2>&1 | grep -v "Loading weights"; }
+{
+nvidia-smi -L
+# 1. the layouts against one process: every rank on its own GPU with NCCL (the tests' tolerances are fp32's)
+run 900 python -m pytest -q tests/test_parallel.py tests/test_grpo.py -k "layout or pp2 or moe or 1f1b"
+# 2. 30 GRPO steps of bench_2b with PP and EP over the GPUs, the embedded server sharing GPU 0; the step line
+#    breaks time into t_roll / t_train / t_sync
+run 1800 torchrun --standalone --nproc_per_node=$N train_grpo.py config/h200.py --data=toy --eval_data=toy \
+    --pp_size=2 --ep_size=$((N / 2)) --max_steps=30 --out_dir=out/multi_gpu
+# 3. scaling: training tokens/s of bench_2b on 1, 2, 4 (8) GPUs with PP and with EP, from the same loop's step
+#    times (train_grpo.py --dry_run prints the memory plan of each layout first)
+for pp in 1 2 4; do
+  run 900 torchrun --standalone --nproc_per_node=$N train_grpo.py config/h200.py --data=toy --eval_data=toy \
+      --pp_size=$pp --ep_size=$((N / pp)) --max_steps=5 --out_dir=out/scale_pp$pp
+done
+} > "${OUT:-/tmp}/multi_gpu.txt" 2>&1
+tail -c 11000 "${OUT:-/tmp}/multi_gpu.txt"
