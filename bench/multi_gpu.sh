@@ -8,7 +8,7 @@ run() { echo "### $*"; timeout "$@" 2>&1 | grep -v "Loading weights"; }
 {
 nvidia-smi -L
 # 1. the layouts against one process: every rank on its own GPU with NCCL (the tests' tolerances are fp32's)
-run 900 python -m pytest -q tests/test_parallel.py tests/test_grpo.py -k "layout or pp2 or moe or 1f1b"
+run 900 python -m pytest -q tests/test_parallel.py tests/test_grpo.py -k "layout or dispatch or pp2_ep2"
 # 2. 30 GRPO steps of bench_2b with PP and EP over the GPUs, the embedded server sharing GPU 0; the step line
 #    breaks time into t_roll / t_train / t_sync
 run 1800 torchrun --standalone --nproc_per_node=$N train_grpo.py config/h200.py --data=toy --eval_data=toy \
