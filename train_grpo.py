@@ -257,7 +257,7 @@ def rollout_groups(step):
 
 def reduce_metrics(m):
     """Sum the last stages' metrics over DP (max for maxima); returns means per token / sample."""
-    keys = sorted(k for k in m if k not in ('grad_norm', 'skipped'))
+    keys = sorted(k for k in m if k not in ('grad_norm', 'skipped', 'nonfinite'))
     t = torch.tensor([float(m.get(k, 0.0)) for k in keys], device=grid.device)
     mx = torch.tensor([float(m.get('lp_diff_max', 0.0))], device=grid.device)
     parallel.all_reduce(t, grid.dp_group, 'metrics')
