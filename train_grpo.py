@@ -125,11 +125,10 @@ try:
 except ValueError as e:  # a bad key or type is a usage error: say it and exit 2
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-CHOICES = dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto'), weight_sync=('disk', 'distributed'),
-               rollout_quant=('none', 'fp8', 'fp8_fp4'), lr_schedule=('constant', 'cosine'),
-               loss_agg=('seq_mean_token_mean', 'token_mean'))
-for _k, _ok in CHOICES.items():
-    if globals()[_k] not in _ok:
+for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto'), weight_sync=('disk', 'distributed'),
+                    rollout_quant=('none', 'fp8', 'fp8_fp4'), lr_schedule=('constant', 'cosine'),
+                    loss_agg=('seq_mean_token_mean', 'token_mean')).items():
+    if globals()[_k] not in _ok:  # a value the run would refuse later (or misread): a usage error now
         print(f"error: {_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}", file=sys.stderr)
         sys.exit(2)
 config = {k: globals()[k] for k in config_keys}
@@ -332,8 +331,7 @@ def save_checkpoint(step):
 
 start_step = 0
 if resume:
-    print0(f"resume: {'from ' + resume_dir if resume_dir else 'no complete checkpoint in ' + out_dir}; ignoring "
-           f"incomplete {faults.checkpoints(out_dir)[1]}")
+    print0(f"resume: newest complete checkpoint {resume_dir}; ignoring incomplete {faults.checkpoints(out_dir)[1]}")
 if resume_dir:
     st = torch.load(faults.rank_file(resume_dir, grid.rank, grid.world_size), weights_only=True)
     opt.load_state_dict(st['opt'])
@@ -386,8 +384,7 @@ def finish_step(step, saved):
 def log(rec, line):
     if is_logger:
         print(line, flush=True)
-        with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
-            f.write(json.dumps(rec) + '\n')
+        open(os.path.join(out_dir, 'metrics.jsonl'), 'a').write(json.dumps(rec) + '\n')  # closed at once (CPython)
         wandb.log(rec, step=rec['step']) if wandb_log else None
 
 
@@ -473,9 +470,12 @@ for step in range(start_step, max_steps):
     rec.update(t_rollout=t_roll, t_train=t2 - t1, t_sync=t3 - t2, weight_version=weight_version, elapsed_s=t3 - t_start,
                rollout_tok_s=roll[4].item() / max(t_roll, 1e-9), train_tok_s=rec.get('train_tokens', 0) / max(t2 - t1, 1e-9))
     if eval_interval and (step + 1) % eval_interval == 0 and master:
-        ev = evaluate(client, tok, eval_problems, eval_n_samples, dict(temperature=eval_temperature, top_p=eval_top_p,
-                      max_new_tokens=max_new_tokens), seed=seed + step, chat=data != 'toy')
-        rec.update({f'eval_{k}': v for k, v in ev.items() if k != 'per_problem'})
+        try:  # servers down: no eval this time, and the next step's rollout recovers them
+            ev = evaluate(client, tok, eval_problems, eval_n_samples, dict(temperature=eval_temperature, top_p=eval_top_p,
+                          max_new_tokens=max_new_tokens), seed=seed + step, chat=data != 'toy')
+            rec.update({f'eval_{k}': v for k, v in ev.items() if k != 'per_problem'})
+        except RuntimeError as e:
+            rec['eval_error'] = str(e)[:1000]
     if eval_interval and (step + 1) % eval_interval == 0:
         rec.update(parallel.broadcast_object({k: v for k, v in rec.items() if k.startswith('eval_')}, 0,
                                              grid.world_group, 'eval metrics'))
