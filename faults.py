@@ -1,5 +1,5 @@
 """
-Failure made loud, bounded and recoverable: the trainer's three guards (train_grpo.py uses them once each).
+Failure made loud, bounded and recoverable: the guards train_grpo.py sets up once, and three helpers.
 
     watchdog = Watchdog(seconds, rank)      # a step over `seconds`: every thread's stack on stderr, exit 124
     preempt = Preemption()                  # SIGTERM / SIGINT: finish the step, checkpoint, exit 128 + signal
