@@ -46,7 +46,9 @@ for _arg in [a for a in _args if not a.startswith('--')] + [a for a in _args if 
         # run the file on a copy of the namespace, then apply what it added or rebound, so that a typo
         # such as `max_step = 10` fails instead of creating a new global; _names (and __doc__) stay private
         _ns, _snap = dict(globals()), dict(globals())
-        exec(open(_arg).read(), _ns)
+        try:  # a missing or broken file is a usage error too
+            exec(open(_arg).read(), _ns)
+        except Exception as _e: raise ValueError(f"config file {_arg}: {type(_e).__name__}: {_e}") from None
         for _k, _v in _ns.items():
             if not _k.startswith('_') and (_k not in _snap or _v is not _snap[_k]):
                 _set(_k, _v, _arg)

@@ -9,6 +9,7 @@ world size 1 runs the same functions without a process group.
 """
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -36,7 +37,8 @@ class Grid:
     dp_rank: int
     ep_rank: int
     edp_rank: int
-    pp_group: object = None  # None when the world is one process
+    world_group: object = None  # None when the world is one process
+    pp_group: object = None
     dp_group: object = None
     ep_group: object = None
     edp_group: object = None  # the copies of one expert shard: dp_size / ep_size ranks
@@ -88,6 +90,7 @@ def init_distributed(pp_size=1, ep_size=1, tp_size=1, timeout_s=600):
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    g.world_group = dist.group.WORLD
     # Every rank creates every group, in this fixed order (new_group is collective over the world).
     mine = lambda groups: next(grp for ranks, grp in groups if rank in ranks)
     new = lambda ranks_list: [(r, dist.new_group(r, timeout=timeout)) for r in ranks_list]
@@ -101,15 +104,38 @@ def init_distributed(pp_size=1, ep_size=1, tp_size=1, timeout_s=600):
     return g
 
 
+@contextmanager
+def named(what, group):
+    """Re-raise a failed collective (a dead peer, a timeout) naming the operation, the group's ranks and this rank.
+    Every collective of the trainer runs inside one, so the survivors of a crash say where they were."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise RuntimeError(f"{what} on ranks {dist.get_process_group_ranks(group)} failed on rank "
+                           f"{dist.get_rank()}: {e}") from e
+
+
 def all_reduce(t, group, what, op=dist.ReduceOp.SUM):
-    """In-place all_reduce that names the group and op when it fails (a dead peer, a timeout)."""
+    """In-place all_reduce, named (see named); a group of one skips it."""
     if group_size(group) > 1:
-        try:
+        with named(f"all_reduce({what})", group):
             dist.all_reduce(t, op=op, group=group)
-        except RuntimeError as e:
-            raise RuntimeError(f"all_reduce({what}) on ranks {dist.get_process_group_ranks(group)} "
-                               f"failed on rank {dist.get_rank()}: {e}") from e
     return t
+
+
+def broadcast_object(obj, src, group, what):
+    """src's picklable obj on every rank of group (trainer ranks only: never data from the network)."""
+    box = [obj]
+    if group_size(group) > 1:
+        with named(f"broadcast_object({what})", group):
+            dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(group, what):
+    if group_size(group) > 1:
+        with named(f"barrier({what})", group):
+            dist.barrier(group=group)
 
 
 # -----------------------------------------------------------------------------
@@ -235,6 +261,7 @@ def _forward(model, grid, x, mb, loss_fn, recompute, metrics):
         for k, v in extra.items():  # summed over micro-batches; names ending in _max take the max
             metrics[k] = max(metrics.get(k, 0.0), float(v)) if k.endswith("_max") else metrics.get(k, 0.0) + float(v)
     metrics["loss"] = metrics.get("loss", 0.0) + loss.item()
+    metrics.setdefault("mb_losses", []).append(loss.item())  # in micro-batch order: names a non-finite one
     return loss
 
 
@@ -383,14 +410,18 @@ def train_step(model, grid, opt, microbatches, loss_fn, grad_clip=1.0, schedule=
     """One optimizer step over this rank's micro-batches (every DP rank must pass the same number).
     microbatches: dicts with "input_ids" [B, T] plus what loss_fn reads; loss_fn(logits, mb) -> loss or
     (loss, metrics), where the loss is the micro-batch's share of the global loss (normalised by global
-    counts). Returns the metrics summed over micro-batches (on the last stage) plus grad_norm and
-    skipped (a non-finite gradient skips the update)."""
+    counts). Returns the metrics summed over micro-batches (on the last stage) plus grad_norm, skipped and
+    nonfinite. A non-finite loss on any rank or a non-finite gradient norm skips the update on every rank;
+    nonfinite lists this rank's offending micro-batches as (index, loss)."""
     opt.zero_grad()
     run = one_f_one_b if schedule == "1f1b" else afab
     metrics = run(model, grid, microbatches, loss_fn, recompute)
+    metrics["nonfinite"] = [(i, x) for i, x in enumerate(metrics.pop("mb_losses", [])) if not math.isfinite(x)]
     reduce_grads(model, grid)
-    metrics["grad_norm"] = clip_grad_norm(model, grid, grad_clip)
-    metrics["skipped"] = not math.isfinite(metrics["grad_norm"])  # same verdict on every rank: the norm is global
+    metrics["grad_norm"] = clip_grad_norm(model, grid, grad_clip)  # global: the same on every rank
+    n_bad = all_reduce(torch.tensor(float(len(metrics["nonfinite"])), device=grid.device), grid.world_group,
+                       "non-finite loss count")
+    metrics["skipped"] = not math.isfinite(metrics["grad_norm"]) or n_bad.item() > 0
     if not metrics["skipped"]:
         opt.step()
     return metrics

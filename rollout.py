@@ -318,6 +318,7 @@ if __name__ == "__main__":
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--weight-version", default="default", help="the version stamped on samples until an update")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the trainer) is gone")
     args = p.parse_args()
     import server

@@ -16,6 +16,7 @@ Not implemented: text prompts and stop strings (no tokenizer), streaming, input/
 constrained decoding (400 with a message), /update_weights_from_tensor (404).
 """
 import hmac
+import ipaddress
 import json
 import math
 import os
@@ -38,6 +39,7 @@ from quant import as_bytes, dequantize, e8m0_to_float, quant_format, quantize_te
 from rollout import init_weight_update_group
 
 MAX_BODY = 64 << 20  # bytes; a batch of 64 prompts x 4096 tokens is ~2 MB of JSON
+MAX_ITEMS = 4096  # sequences one /generate may ask for (prompts x n): more is a 413, not an out-of-memory
 # sampling_params keys SGLang knows (api_types._FIELDS_SamplingParams): any other key is a 400, as there
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex",
                  "ignore_eos", "n", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
@@ -61,6 +63,11 @@ ENDPOINTS = {"generate": ("POST", "PUT"), "health": GET, "health_generate": GET,
              "update_weights_from_disk": POST, "init_weights_update_group": POST,
              "update_weights_from_distributed": POST, "destroy_weights_update_group": POST,
              "get_weights_by_name": ("GET", "POST"), "update_weight_version": POST}
+# what changes the served weights or stops generation: a server that listens beyond localhost answers these only
+# with --api-key set (403 otherwise), so nobody on the network can swap the model
+GUARDED = {"/pause_generation", "/continue_generation", "/abort_request", "/flush_cache", "/begin_weight_update",
+           "/end_weight_update", "/update_weights_from_disk", "/init_weights_update_group",
+           "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weight_version"}
 
 
 class BadRequest(Exception):
@@ -124,7 +131,7 @@ class Server:
         self.loop = threading.Thread(target=self.engine.run_forever, args=(self.stop,), daemon=True, name="scheduler")
         self.admin = threading.Lock()  # one pause / weight update at a time
         self.rids_lock, self.running_rids = threading.Lock(), set()
-        self.session, self.groups = False, {}
+        self.session, self.groups, self.local = False, {}, True  # local: listening on loopback only (start sets it)
         self.routes = {f"/{name}": (methods, getattr(self, name)) for name, methods in ENDPOINTS.items()}
         self.routes["/get_model_info"] = self.routes["/model_info"]  # the older name, still in use
 
@@ -173,6 +180,8 @@ class Server:
             check(isinstance(p, list) and p and all(is_int(t) and 0 <= t < self.vocab for t in p),
                   f"input_ids must be a non-empty list of token ids in [0, {self.vocab}), or a list of such lists")
         B = len(prompts)
+        if B > MAX_ITEMS:
+            raise BadRequest(f"{B} prompts in one request: at most {MAX_ITEMS} sequences", 413)
         sps, lps, rids = body.get("sampling_params") or {}, body.get("return_logprob") or False, body.get("rid")
         sps, lps = sps if isinstance(sps, list) else [sps] * B, lps if isinstance(lps, list) else [lps] * B
         if rids is None:
@@ -186,6 +195,8 @@ class Server:
         items = []  # (prompt, params, rid, return_logprob); n > 1 expands prompt-major with fresh rids, as SGLang
         for p, sp, rid, lp in zip(prompts, sps, rids, lps):
             params, n = self.sampling(sp, len(p))
+            if len(items) + n > MAX_ITEMS:
+                raise BadRequest(f"more than {MAX_ITEMS} sequences (prompts x n) in one request", 413)
             items += [(p, params, rid if n == 1 else uuid.uuid4().hex, lp) for _ in range(n)]
         rids = [rid for _, _, rid, _ in items]
         with self.rids_lock:  # engine.abort(rid) must not hit someone else's request
@@ -442,6 +453,7 @@ class Handler(BaseHTTPRequestHandler):
     """One thread per connection (HTTP/1.0: one request each). Whatever a request does, it gets an answer,
     and the server lives on."""
     timeout = 120  # seconds a client may take to send its request: a stalled upload frees its thread
+    default_request_version = "HTTP/1.0"  # so that the answer to a garbled request line has a status line too
 
     def do_GET(self):
         self.dispatch("GET")
@@ -451,6 +463,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_PUT(self):
         self.dispatch("PUT")
+
+    def __getattr__(self, name):  # any other method (DELETE, HEAD, ...): 405 or 404 below, not http.server's 501
+        if name.startswith("do_"):
+            return lambda: self.dispatch(name[3:])
+        raise AttributeError(name)
 
     def log_message(self, *args):  # one line per request would drown the log; errors print their traceback
         pass
@@ -466,6 +483,9 @@ class Handler(BaseHTTPRequestHandler):
             if app.api_key and not path.startswith("/health") and not (
                     auth[:7].lower() == "bearer " and hmac.compare_digest(auth[7:], app.api_key)):
                 raise BadRequest("Unauthorized", 401, {"error": "Unauthorized"})
+            if path in GUARDED and not app.api_key and not app.local:
+                raise BadRequest(f"{path} is refused: this server listens on {self.server.server_address[0]}, "
+                                 f"beyond localhost, without --api-key", 403)
             if path not in app.routes:
                 raise BadRequest(f"no endpoint {path}", 404)
             methods, endpoint = app.routes[path]
@@ -474,6 +494,8 @@ class Handler(BaseHTTPRequestHandler):
             status, payload = 200, endpoint(parse_json(raw), self)
         except BadRequest as e:
             status, payload = e.status, e.payload or {"error": {"message": str(e)}}
+        except RecursionError:  # JSON nested deeper than Python's stack (parsed, then printed in a message)
+            status, payload = 400, {"error": {"message": "the request body is nested too deeply"}}
         except Exception as e:  # a bug of ours: say so, keep serving
             traceback.print_exc()
             status, payload = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
@@ -563,6 +585,10 @@ def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None
     model.set_kernels(next(model.parameters()).is_cuda)  # kernels.py for prefill on a GPU (decode: engine.py)
     httpd = HTTPServer((host, port), Handler)
     httpd.app = app = Server(model, path, api_key, max_batch, max_len, quant)
+    app.local = ipaddress.ip_address(httpd.server_address[0]).is_loopback
+    if not app.local and not api_key:
+        print(f"warning: listening on {host} without --api-key: /generate is open to the network, and the "
+              f"weight-update and control endpoints answer 403", flush=True)
     if app.qformats:  # the quantized state: the checkpoint's own (official format), else quantized here, once
         stored = read_raw(path, app.qformats) if path else {}
         named = {}
@@ -599,6 +625,7 @@ def serve(args):
     """`python rollout.py --serve ...`: one ready line with the URL, then serve until Ctrl-C or SIGTERM."""
     httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
                   args.max_batch, args.max_len, background=False, quant=args.quant)
+    httpd.app.engine.weight_version = args.weight_version  # SGLang's --weight-version: what its samples carry
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
     if args.parent_pid:  # an embedded server outliving its trainer would hold the port and the memory
         threading.Thread(target=exit_with, args=(args.parent_pid,), daemon=True, name="parent-watch").start()

@@ -37,6 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import faults
 import parallel
 from memory_plan import plan_table
 import weight_sync as wsync
@@ -56,7 +57,7 @@ dry_run = False  # build the layout on the meta device, print the per-rank memor
 init_from = 'scratch'  # 'scratch' (model_config) or a checkpoint directory with config.json + safetensors
 model_config = 'config/models/tiny.json'
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
-kernels = 'auto'  # 'fast' | 'reference' (kernels.py: block-wise window attention, grouped GEMM experts) | 'auto': fast on CUDA
+kernels = 'auto'  # 'fast' | 'reference' (kernels.py: window attention by blocks, grouped GEMM experts) | 'auto': fast on CUDA
 compile = False  # torch.compile mHC's Sinkhorn, norms and RoPE (kernels.compile_hot_paths); GPU
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the toy task, else 'deepseek-v4'
 resume = False  # continue from the newest complete checkpoint in out_dir
@@ -67,10 +68,13 @@ pp_layers = ''  # e.g. '11,11,11,10'; '' = balanced
 n_microbatches = 4
 recompute = False
 optimizer_offload = False
-dist_timeout = 600  # seconds before a stuck collective fails
+dist_timeout = 600  # seconds before a stuck collective fails (every process group; weight-sync calls too)
+watchdog_s = 0  # > 0: a step running longer prints every thread's stack on each rank and exits 124 (faults.py)
+max_consecutive_skips = 3  # steps skipped in a row (non-finite loss or gradient, rollouts failed) that stop the run
 # rollout
 rollout_url = ''  # '' = start the embedded server; else comma-separated SGLang URLs
 rollout_api_key = ''
+rollout_timeout = 3600.0  # seconds one /generate request may take before it is retried elsewhere
 weight_sync = 'disk'  # 'disk' | 'distributed' (weight_sync.py; 'tensor' is not implemented)
 weight_sync_bucket_mb = 512  # distributed: bytes per broadcast bucket, the most one rank gathers at a time
 weight_sync_verify = False  # after each sync, check every tensor's first rows on every server against what was sent
@@ -123,13 +127,18 @@ try:
 except ValueError as e:  # a bad key or type is a usage error: say it and exit 2
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto'), weight_sync=('disk', 'distributed'),
+                    rollout_quant=('none', 'fp8', 'fp8_fp4'), lr_schedule=('constant', 'cosine'),
+                    loss_agg=('seq_mean_token_mean', 'token_mean'), kernels=('auto', 'fast', 'reference')).items():
+    if globals()[_k] not in _ok:  # a value the run would refuse later (or misread): a usage error now
+        print(f"error: {_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}", file=sys.stderr)
+        sys.exit(2)
 config = {k: globals()[k] for k in config_keys}
 t_start = time.time()
 
 # -----------------------------------------------------------------------------
 # distributed init
-ckpt_dirs = lambda: sorted(d for d in os.listdir(out_dir) if d.startswith('ckpt_') and not d.endswith('.tmp')) \
-    if os.path.isdir(out_dir) else []
+ckpt_dirs = lambda: faults.checkpoints(out_dir)[0]  # complete ones only, oldest first
 resume_dir = os.path.join(out_dir, ckpt_dirs()[-1]) if resume and ckpt_dirs() else None
 model_dir = resume_dir or (init_from if init_from != 'scratch' else None)
 args = ModelArgs.from_json(os.path.join(model_dir, 'config.json') if model_dir and os.path.isdir(model_dir)
@@ -143,6 +152,7 @@ if dry_run:  # the layout of the whole job on the meta device, no hardware: WORL
     sys.exit(0)
 grid = parallel.init_distributed(pp_size, ep_size, timeout_s=dist_timeout)
 master = grid.rank == 0
+watchdog, preempt, skips = faults.Watchdog(watchdog_s, grid.rank), faults.Preemption(), faults.Skips(max_consecutive_skips)
 is_logger = grid.is_last_stage and grid.dp_rank == 0  # the loss lives on the last stage
 print0 = lambda *a: print(*a, flush=True) if master else None
 torch.manual_seed(seed)
@@ -158,16 +168,11 @@ print0(f"building the model ({'scratch' if not model_dir else model_dir}), {dtyp
 model = parallel.build_stage(args, grid, dtype=ptype, pp_layers=split, init=model_dir is None, seed=seed)
 if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
-if kernels not in ('auto', 'fast', 'reference'):
-    raise SystemExit(f"error: kernels must be 'auto', 'fast' or 'reference', got {kernels!r}")
 model.set_kernels(kernels == 'fast' or (kernels == 'auto' and grid.device.type == 'cuda'))
-if compile:
-    from kernels import compile_hot_paths
-    compile_hot_paths()
+if compile:  # swaps model_dsv4's hot functions for compiled ones
+    __import__('kernels').compile_hot_paths()
 if trainable == 'auto':  # the toy task's recipe: a random body, see tasks.py
     trainable = 'io' if data == 'toy' and init_from == 'scratch' else 'all'
-if trainable not in ('all', 'io'):
-    raise SystemExit(f"error: trainable must be 'all', 'io' or 'auto', got {trainable!r}")
 IO = ('embed.', 'head.', 'norm.', 'hc_head_')
 for name, p in model.named_parameters():  # MTP is not trained here; the router optionally frozen
     p.requires_grad_(not name.startswith('mtp.') and not (freeze_router and name.endswith('gate.weight'))
@@ -205,29 +210,32 @@ encode = lambda p: prompt_ids(tok, p['prompt'])[-max_prompt_len:]
 # rollout servers: the given URLs, or the embedded server started here (stopped on exit, crash included)
 sync_dir = os.path.join(out_dir, 'weights')
 os.makedirs(out_dir, exist_ok=True)
-server = None
-if not rollout_url:
+server, external, weight_version = None, bool(rollout_url), 0
+
+
+def start_server(version):
+    """The embedded server, from the weights last saved to sync_dir, stamping `version` on its samples."""
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'rollout.py'), '--serve',
+           '--model', sync_dir, '--port', str(port), '--dtype', dtype, '--max-batch', str(rollout_max_batch),
+           '--max-len', str(max_prompt_len + max_new_tokens), '--parent-pid', str(os.getpid()), '--quant', rollout_quant,
+           '--weight-version', version]
+    print0(f"starting the embedded rollout server: {' '.join(cmd)}")
+    return subprocess.Popen(cmd, start_new_session=True)  # its own session: a Ctrl-C reaches the trainer only
+
+
+if not external:
     wsync.save_weights(model, grid, sync_dir, args, quant=rollout_quant)  # the server starts from the trainer's weights
     if master:
         with socket.socket() as s:
             s.bind(('127.0.0.1', 0))
             port = s.getsockname()[1]
-        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'rollout.py'), '--serve',
-               '--model', sync_dir, '--port', str(port), '--dtype', dtype, '--max-batch', str(rollout_max_batch),
-               '--max-len', str(max_prompt_len + max_new_tokens), '--parent-pid', str(os.getpid()), '--quant', rollout_quant]
-        print0(f"starting the embedded rollout server: {' '.join(cmd)}")
-        server = subprocess.Popen(cmd, start_new_session=True)
-        atexit.register(lambda: server.poll() is None and server.kill())
+        server = start_server(str(weight_version))
+        atexit.register(lambda: server.poll() is None and server.kill())  # the server of the moment
         rollout_url = f"http://127.0.0.1:{port}"
-    box = [rollout_url]
-    if grid.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    rollout_url = box[0]
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run atexit (stop the server) on SIGTERM too
-client = RolloutClient(rollout_url, api_key=rollout_api_key or None)
+    rollout_url = parallel.broadcast_object(rollout_url, 0, grid.world_group, 'rollout url')
+client = RolloutClient(rollout_url, api_key=rollout_api_key or None, timeout=rollout_timeout)
 client.wait_ready(timeout=600)
 print0(f"rollout servers ready: {rollout_url}")
-weight_version = 0
 
 
 # -----------------------------------------------------------------------------
@@ -263,9 +271,36 @@ def rollout_groups(step):
     return kept, stats
 
 
+def rollout_step(step):
+    """rollout_groups, checked: samples from older weights than the trainer's (a restarted server) are refused. A failure
+    on any rank fails every rank: the servers are synced again (a dead embedded one restarted first) and the step's
+    prompts redrawn with the same seeds, so none is lost. -> ((groups, stats) or None off stage 0, None) | (None, why)"""
+    global cursor
+    start = cursor
+    for attempt in (1, 2):
+        out, err = None, None
+        if grid.pp_rank == 0:
+            try:
+                out = rollout_groups(step)
+                old = {s['url'] for s in out[1]['samples'] if s['weight_version'] != str(weight_version)}
+                if old:
+                    client.stale.update(old)
+                    err = f"samples from weights older than version {weight_version} from {sorted(old)}"
+            except RuntimeError as e:  # servers unreachable, bad answers (rollout_groups holds no collective)
+                err = f"{type(e).__name__}: {e}"
+        err = wsync.agree(grid, err)
+        if err is None:
+            return out, None
+        cursor = start
+        print0(f"step {step} rollout, attempt {attempt} failed: {err}")
+        if attempt == 1:
+            sync_weights()
+    return None, err
+
+
 def reduce_metrics(m):
     """Sum the last stages' metrics over DP (max for maxima); returns means per token / sample."""
-    keys = sorted(k for k in m if k not in ('grad_norm', 'skipped'))
+    keys = sorted(k for k in m if k not in ('grad_norm', 'skipped', 'nonfinite'))
     t = torch.tensor([float(m.get(k, 0.0)) for k in keys], device=grid.device)
     mx = torch.tensor([float(m.get('lp_diff_max', 0.0))], device=grid.device)
     parallel.all_reduce(t, grid.dp_group, 'metrics')
@@ -288,21 +323,22 @@ def save_checkpoint(step):
     torch.save({'opt': opt.state_dict(), 'cursor': cursor, 'torch_rng': torch.get_rng_state(), 'step': step,
                 'py_rng': list(random.getstate()[1]), 'weight_version': weight_version},
                os.path.join(tmp, f'trainer_rank{grid.rank:05d}-of-{grid.world_size:05d}.pt'))
-    if grid.world_size > 1:
-        dist.barrier()
+    parallel.barrier(grid.world_group, f'checkpoint {step} written')
     if master:
-        json.dump({'step': step, 'config': config}, open(os.path.join(tmp, 'meta.json'), 'w'), indent=1)
+        with open(os.path.join(tmp, 'meta.json'), 'w') as f:
+            json.dump({'step': step, 'world_size': grid.world_size, 'config': config}, f, indent=1)
         os.replace(tmp, final)
-        for old in ckpt_dirs()[:-keep_checkpoints]:
-            shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
-    if grid.world_size > 1:
-        dist.barrier()
+        old = ckpt_dirs()[:-keep_checkpoints] + [d for d in os.listdir(out_dir) if d.endswith('.tmp')]  # crashes' too
+        for d in old:
+            shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
+    parallel.barrier(grid.world_group, f'checkpoint {step} renamed')
 
 
 start_step = 0
+if resume:
+    print0(f"resume: newest complete checkpoint {resume_dir}; ignoring incomplete {faults.checkpoints(out_dir)[1]}")
 if resume_dir:
-    st = torch.load(os.path.join(resume_dir, f'trainer_rank{grid.rank:05d}-of-{grid.world_size:05d}.pt'),
-                    weights_only=True)
+    st = torch.load(faults.rank_file(resume_dir, grid.rank, grid.world_size), weights_only=True)
     opt.load_state_dict(st['opt'])
     cursor, start_step, weight_version = st['cursor'], st['step'] + 1, st['weight_version']
     torch.set_rng_state(st['torch_rng'])
@@ -323,7 +359,7 @@ def sync_weights():
     """Push the trainer's weights to every rollout server that is up; the next rollouts carry the new version. A
     server that fails mid-sync is named and gets no rollouts until a sync completes there: the others are synced
     again at once, and each later sync retries it (weight_sync.py)."""
-    global weight_version
+    global weight_version, server
     weight_version += 1
     for attempt in (1, 2):
         try:
@@ -332,6 +368,29 @@ def sync_weights():
                               timeout=dist_timeout)
         except wsync.SyncError as e:
             print0(f"weight sync, attempt {attempt}: {e}")
+            if master and server is not None and server.poll() is not None:  # ours died: start it again
+                print0(f"the embedded rollout server (pid {server.pid}) exited with {server.returncode}: restarting it")
+                server = start_server('restarted')  # older weights: it serves once a sync completes there
+                client.wait_ready(timeout=600)
+
+
+def finish_step(step, saved):
+    """The safe point: the step is over on every rank. A SIGTERM / SIGINT on any rank stops all here, with a checkpoint."""
+    sig = int(parallel.all_reduce(torch.tensor(float(preempt.signum), device=grid.device), grid.world_group,
+                                  'preemption flag', op=dist.ReduceOp.MAX))
+    if sig:
+        if not saved:
+            save_checkpoint(step)
+        print0(f"stopped by {signal.Signals(sig).name} after step {step}, checkpoint written; continue with --resume=True")
+        raise SystemExit(128 + sig)
+    watchdog.disarm()
+
+
+def log(rec, line):
+    if is_logger:
+        print(line, flush=True)
+        open(os.path.join(out_dir, 'metrics.jsonl'), 'a').write(json.dumps(rec) + '\n')  # closed at once (CPython)
+        wandb.log(rec, step=rec['step']) if wandb_log else None
 
 
 if data == 'toy' and format_warmup_steps and start_step == 0:
@@ -349,18 +408,24 @@ if data == 'toy' and format_warmup_steps and start_step == 0:
                                 grad_clip, recompute=recompute)
     opt = new_optimizer()  # GRPO starts with fresh moments
     sync_weights()
-elif resume_dir or model_dir:
-    sync_weights()  # the servers may hold other weights than the ones we continue from
+elif resume_dir or model_dir or external:
+    sync_weights()  # the servers may hold other weights than the ones we start from
 
 # -----------------------------------------------------------------------------
 # the loop
+preempt.defer = True  # from here a signal stops at the end of the step, with a checkpoint
 for step in range(start_step, max_steps):
+    watchdog.arm(f"step {step}")
     t0 = time.time()
-    groups, rstats = rollout_groups(step) if grid.pp_rank == 0 else (None, None)
-    box = [(groups, rstats)]
-    if grid.pp_size > 1:  # every stage of a DP replica trains on the same samples
-        dist.broadcast_object_list(box, src=grid.rank - grid.pp_rank * grid.dp_size, group=grid.pp_group)
-    groups, rstats = box[0]
+    out, err = rollout_step(step)
+    if err:
+        log({'step': step, 'skipped': f'rollouts failed: {err}', 'weight_version': weight_version},
+            f"step {step:05d}/{max_steps} | skipped: rollouts failed twice: {err}")
+        skips.update(step, 'rollouts failed')
+        finish_step(step, saved=False)
+        continue
+    # every stage of a DP replica trains on the same samples
+    groups, rstats = parallel.broadcast_object(out, grid.rank - grid.pp_rank * grid.dp_size, grid.pp_group, 'samples')
     n_keep = int(parallel.all_reduce(torch.tensor(float(len(groups)), device=grid.device), grid.dp_group, 'kept groups',
                                      op=dist.ReduceOp.MIN))
     groups = groups[:n_keep]  # every DP rank trains on the same number of samples
@@ -379,7 +444,7 @@ for step in range(start_step, max_steps):
                accuracy=roll[2].item() / n, response_len_mean=roll[4].item() / n, response_len_max=lens.max().item(),
                truncation_rate=roll[6].item() / n, kept_group_ratio=roll[8].item() / max(roll[7].item(), 1),
                stale_samples=int(roll[9].item()))
-    t1 = time.time()
+    t1, bad = time.time(), None
     if n_keep == 0:
         rec.update(skipped='no group with reward spread')
     else:
@@ -398,6 +463,11 @@ for step in range(start_step, max_steps):
             loss_fn = lambda lg, mb: grpo_loss(lg, mb, eps_low, eps_high, tis_cap, kl_coef, entropy_coef)
             m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip, recompute=recompute)
             rec['grad_norm'] = m['grad_norm']
+            if m['skipped']:  # the same verdict on every rank
+                faults.report_nonfinite(step, m, mbs, model, grid.rank, os.path.join(out_dir, 'nonfinite'), is_logger)
+                bad = rec['skipped'] = (f"non-finite loss in micro-batch {[i for i, _ in m['nonfinite']]}" if m['nonfinite']
+                                        else 'non-finite gradient norm' if not math.isfinite(m['grad_norm'])
+                                        else 'non-finite loss on another rank')
         rec.update(reduce_metrics(m) if grid.is_last_stage else {})
     t2 = time.time()
     sync_weights()
@@ -405,30 +475,31 @@ for step in range(start_step, max_steps):
     rec.update(t_rollout=t_roll, t_train=t2 - t1, t_sync=t3 - t2, weight_version=weight_version, elapsed_s=t3 - t_start,
                rollout_tok_s=roll[4].item() / max(t_roll, 1e-9), train_tok_s=rec.get('train_tokens', 0) / max(t2 - t1, 1e-9))
     if eval_interval and (step + 1) % eval_interval == 0 and master:
-        ev = evaluate(client, tok, eval_problems, eval_n_samples, dict(temperature=eval_temperature, top_p=eval_top_p,
-                      max_new_tokens=max_new_tokens), seed=seed + step, chat=data != 'toy')
-        rec.update({f'eval_{k}': v for k, v in ev.items() if k != 'per_problem'})
-    if eval_interval and (step + 1) % eval_interval == 0 and grid.world_size > 1:
-        box = [{k: v for k, v in rec.items() if k.startswith('eval_')}]
-        dist.broadcast_object_list(box, src=0)
-        rec.update(box[0])
-    if is_logger:
-        print(f"step {step:05d}/{max_steps} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
-              f"len {rec['response_len_mean']:.1f} | kept {rec['kept_group_ratio']:.2f} | loss {rec.get('loss', 0):+.4f} | "
-              f"clip {rec.get('pg_clipfrac', 0):.3f} | kl {rec.get('approx_kl', 0):+.1e} | ent {rec.get('entropy', 0):.2f} | "
-              f"|dlp| {rec.get('logprob_abs_diff', 0):.1e} | gnorm {rec.get('grad_norm', 0):.2f} | "
-              f"t_roll {t_roll:.1f}s t_train {t2 - t1:.1f}s t_sync {t3 - t2:.1f}s | {rec['elapsed_s']:.0f}s"
-              + (f" | eval pass@1 {rec['eval_pass@1']:.3f}" if 'eval_pass@1' in rec else ''), flush=True)
-        with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
-            f.write(json.dumps(rec) + '\n')
-        if wandb_log:
-            wandb.log(rec, step=step)
-    if checkpoint_interval and ((step + 1) % checkpoint_interval == 0 or step + 1 == max_steps):
+        try:  # servers down: no eval this time, and the next step's rollout recovers them
+            ev = evaluate(client, tok, eval_problems, eval_n_samples, dict(temperature=eval_temperature, top_p=eval_top_p,
+                          max_new_tokens=max_new_tokens), seed=seed + step, chat=data != 'toy')
+            rec.update({f'eval_{k}': v for k, v in ev.items() if k != 'per_problem'})
+        except RuntimeError as e:
+            rec['eval_error'] = str(e)[:1000]
+    if eval_interval and (step + 1) % eval_interval == 0:
+        rec.update(parallel.broadcast_object({k: v for k, v in rec.items() if k.startswith('eval_')}, 0,
+                                             grid.world_group, 'eval metrics'))
+    log(rec, f"step {step:05d}/{max_steps} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
+        f"len {rec['response_len_mean']:.1f} | kept {rec['kept_group_ratio']:.2f} | loss {rec.get('loss', 0):+.4f} | "
+        f"clip {rec.get('pg_clipfrac', 0):.3f} | kl {rec.get('approx_kl', 0):+.1e} | ent {rec.get('entropy', 0):.2f} | "
+        f"|dlp| {rec.get('logprob_abs_diff', 0):.1e} | gnorm {rec.get('grad_norm', 0):.2f} | "
+        f"t_roll {t_roll:.1f}s t_train {t2 - t1:.1f}s t_sync {t3 - t2:.1f}s | {rec['elapsed_s']:.0f}s"
+        + (f" | eval pass@1 {rec['eval_pass@1']:.3f}" if 'eval_pass@1' in rec else '')
+        + (f" | skipped: {rec['skipped']}" if 'skipped' in rec else ''))
+    skips.update(step, bad)
+    saved = checkpoint_interval and ((step + 1) % checkpoint_interval == 0 or step + 1 == max_steps)
+    if saved:
         save_checkpoint(step)
+    finish_step(step, saved)
 
 # -----------------------------------------------------------------------------
 # cleanup
 if grid.world_size > 1:
-    dist.barrier()
+    parallel.barrier(grid.world_group, 'the end')
     dist.destroy_process_group()
 print0("done")

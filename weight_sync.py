@@ -31,6 +31,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
+from parallel import named
 from quant import as_bytes, e8m0_to_float, quantize_tensor, quantized_meta
 from rollout import RETRYABLE, error_message, init_weight_update_group
 
@@ -65,7 +66,8 @@ def save_weights(model, grid, path, args, quant="none"):
     names = [(list(mine), fname, nbytes)]
     if grid.world_size > 1:
         names = [None] * grid.world_size
-        dist.all_gather_object(names, (list(mine), fname, nbytes))
+        with named("all_gather_object(shard names)", dist.group.WORLD):
+            dist.all_gather_object(names, (list(mine), fname, nbytes))
     if grid.rank == 0:
         index = {k: f for keys, f, _ in names for k in keys}
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
@@ -73,7 +75,8 @@ def save_weights(model, grid, path, args, quant="none"):
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(args.to_json(), f, indent=1)
     if grid.world_size > 1:
-        dist.barrier()
+        with named("barrier(shards written)", dist.group.WORLD):
+            dist.barrier()
     return {k: v[:2].clone() for k, v in mine.items()}, nbytes
 
 
@@ -126,7 +129,8 @@ def agree(grid, err, src=None):
     if grid.world_size == 1:
         return err
     box = [err] if src is not None else [None] * grid.world_size
-    dist.broadcast_object_list(box, src=src) if src is not None else dist.all_gather_object(box, err)
+    with named("weight sync: agree", dist.group.WORLD):
+        dist.broadcast_object_list(box, src=src) if src is not None else dist.all_gather_object(box, err)
     return box[0] if src is not None else next((e for e in box if e), None)
 
 
@@ -184,7 +188,8 @@ def stage_buckets(model, grid, quant, limit):
             if grid.ep_rank == 0 or ".experts." in k]
     lists = [mine] if grid.ep_size == 1 else [None] * grid.ep_size
     if grid.ep_size > 1:
-        dist.all_gather_object(lists, mine, group=grid.ep_group)
+        with named("all_gather_object(expert names)", grid.ep_group):
+            dist.all_gather_object(lists, mine, group=grid.ep_group)
     out, size = [[]], 0
     for e in [e for entries in lists for e in entries]:
         n = sum(torch.Size(s).numel() * d.itemsize for _, s, d in quantized_meta(e[0], e[2], e[3], quant))
@@ -206,11 +211,13 @@ def send_stage(model, grid, client, urls, name, quant, version, limit, timeout, 
         tensors, what = {}, f"bucket {i + 1}/{len(buckets)} of stage {grid.pp_rank} failed on:"
         for k, owner, shape, dtype in bucket:
             if owner == grid.ep_rank and not is_sender:
-                dist.send(sd[k].detach().contiguous(), dst=ep_ranks[0])
+                with named(f"weight sync: send {k} to the stage's sender", grid.ep_group):
+                    dist.send(sd[k].detach().contiguous(), dst=ep_ranks[0])
             elif is_sender:
                 tensors[k] = sd[k].detach() if owner == 0 else torch.empty(shape, dtype=dtype, device=grid.device)
                 if owner != 0:
-                    dist.recv(tensors[k], src=ep_ranks[owner])
+                    with named(f"weight sync: recv {k} from EP rank {owner}", grid.ep_group):
+                        dist.recv(tensors[k], src=ep_ranks[owner])
         if not is_sender or err:
             continue
         sent = {n: q.contiguous() for k, t in tensors.items() for n, q in quantize_tensor(k, t, quant).items()}

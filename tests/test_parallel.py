@@ -47,7 +47,7 @@ def merged(out_dir, variant):
     """Stitch the ranks' state dicts into one; copies of a tensor on several ranks must be identical."""
     state, losses = {}, None
     for f in sorted(glob.glob(f"{out_dir}/{variant}.rank*.pt")):
-        d = torch.load(f)
+        d = torch.load(f, weights_only=True)
         losses = d["losses"] if d["last_stage"] else losses  # the loss lives on the last stage
         for k, v in d["state"].items():
             assert k not in state or torch.equal(state[k], v), f"{k}: copies differ across ranks ({f})"
