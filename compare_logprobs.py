@@ -36,9 +36,10 @@ import argparse
 import copy
 
 import torch
+import torch.nn.functional as F
 
 from engine import Engine, SamplingParams
-from model_dsv4 import ModelArgs, Transformer, from_pretrained
+from model_dsv4 import Attention, ModelArgs, Transformer, from_pretrained
 from quant import FP8Linear, fp4_dequantize, fp4_quantize, fp8_block_dequantize, fp8_block_quantize
 
 # -----------------------------------------------------------------------------
@@ -59,10 +60,12 @@ PRECISIONS = ("fp32", "bf16", "fp8", "fp8_fp4", "fp32_emu")
 
 
 @torch.no_grad()
-def prepare(base, precision):
-    """A copy of the fp32 base in `precision` (see the module docstring)."""
+def prepare(base, precision, invariant=False):
+    """A copy of the fp32 base in `precision` (see the module docstring); invariant: see make_invariant."""
     assert precision in PRECISIONS, precision
     model = copy.deepcopy(base).set_dtype(torch.float32 if precision.startswith("fp32") else torch.bfloat16)
+    if invariant:
+        make_invariant(model)
     model.set_fp8_emulation(precision == "fp32_emu")
     if precision.startswith("fp8"):
         for name, m in model.named_modules():
@@ -74,6 +77,25 @@ def prepare(base, precision):
                     m.weight.copy_(fp8_block_dequantize(*fp8_block_quantize(w)))
         model.set_fp8_emulation(True)
     return model.eval()
+
+
+def make_invariant(model, rows=8):
+    """Path-invariant numerics on this CPU, so that a token's logprob does not depend on how it was computed (one full
+    forward, or prefill + KV-cache decode in a batch of any size): attention's softmax and P.V in fp64 (the full
+    forward sums over all T keys masked, the decode over its ring buffer and entries, in another order), and every
+    call padded to a multiple of `rows` rows (model.row_multiple: the engine pads its decode batch and prefill, the
+    trainer its sequence), because BLAS takes another kernel below 8 rows and vectorised exp / sigmoid round
+    otherwise than their scalar tail. Rounding to the model dtype and FP8 stay as they were."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.acc = torch.float64
+    model.row_multiple = rows
+    return model
+
+
+def padded(ids, model):
+    """ids [1, T] right-padded to the model's row multiple (causal: the pads never reach the real tokens)."""
+    return F.pad(ids, (0, -ids.shape[1] % getattr(model, "row_multiple", 1)))
 
 
 def inject_untransposed_comb(model, layer):
@@ -94,7 +116,8 @@ def sample(engine_model, url, prompts, temperature, max_new_tokens, seed):
         sp = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": True}
         outs = RolloutClient(url).generate(prompts, 1, sp, seed=seed, desc="compare")
         return [(p, o[0]["output_ids"], o[0]["logprobs"]) for p, o in zip(prompts, outs)]
-    engine = Engine(engine_model, max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 1)
+    engine = Engine(engine_model, max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 8,
+                    row_multiple=getattr(engine_model, "row_multiple", 1))
     sp = [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True, seed=seed + i)
           for i in range(len(prompts))]
     return [(r.input_ids, r.output_ids, r.output_logprobs) for r in engine.generate(prompts, sp)]
@@ -104,7 +127,7 @@ def sample(engine_model, url, prompts, temperature, max_new_tokens, seed):
 def trainer_logprobs(model, prompt, out_ids, temperature):
     """log_softmax(logits / T) of the generated tokens, from one full forward (what the GRPO step computes)."""
     ids = torch.tensor(prompt + out_ids)[None]
-    logits = model(ids)[0, len(prompt) - 1:-1].float()
+    logits = model(padded(ids, model))[0, len(prompt) - 1:ids.shape[1] - 1].float()
     return (logits / max(temperature, 1e-6)).log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
 
 
@@ -172,8 +195,8 @@ class Trace:
 
     def put(self, key, out):
         # out: [1, t, ...]; a call that returns fewer rows than positions (prefill logits) covers the last ones
-        rows = self.rec.setdefault(key, {})
-        for p, row in zip(self.pos[len(self.pos) - out.shape[1]:], out[0]):
+        rows, out_rows = self.rec.setdefault(key, {}), out[0, :len(self.pos)]  # padded rows are dropped
+        for p, row in zip(self.pos[len(self.pos) - len(out_rows):], out_rows):
             rows[p] = row.detach().float().clone()
         return out
 
@@ -182,7 +205,7 @@ class Trace:
 def trace_forward(model, ids):
     t = Trace(model)
     t.pos = list(range(len(ids)))
-    model(torch.tensor(ids)[None])
+    model(padded(torch.tensor(ids)[None], model))
     t.close()
     return t.rec
 
@@ -190,7 +213,8 @@ def trace_forward(model, ids):
 @torch.no_grad()
 def trace_engine(model, ids, n_prompt):
     """Prefill ids[:n_prompt], then decode ids[n_prompt:] one token at a time through the KV cache."""
-    engine, t = Engine(model, max_batch=1, max_len=len(ids) + 1), Trace(model)
+    engine = Engine(model, max_batch=1, max_len=len(ids) + 8, row_multiple=getattr(model, "row_multiple", 1))
+    t = Trace(model)
     t.pos = list(range(n_prompt))
     engine.prefill([0], [ids[:n_prompt]])
     for p in range(n_prompt, len(ids)):
@@ -232,7 +256,9 @@ if __name__ == "__main__":
     ap.add_argument("--trainer", default="fp32", choices=PRECISIONS)
     ap.add_argument("--engine", default="fp32", choices=PRECISIONS)
     ap.add_argument("--table", action="store_true", help="fp32/fp32, bf16/bf16, bf16/fp8, fp8/fp8 as a table")
+    ap.add_argument("--invariant", action="store_true", help="both sides path-invariant (make_invariant): what closes the gap")
     ap.add_argument("--n_prompts", type=int, default=8)
+    ap.add_argument("--prompts", default="random", choices=["random", "toy"], help="random ids, or the toy task's prompts")
     ap.add_argument("--max_new_tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -250,6 +276,10 @@ if __name__ == "__main__":
     g = torch.Generator().manual_seed(a.seed)
     lengths = torch.randint(4, 65, (a.n_prompts,), generator=g).tolist()
     prompts = [torch.randint(2, base.args.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    if a.prompts == "toy":  # what a model trained by `python train_grpo.py` was trained on
+        from tasks import load_tokenizer, prompt_ids, toy_problems
+        prompts = [prompt_ids(load_tokenizer("bytes"), p["prompt"]) for p in toy_problems()] * (a.n_prompts // 10 + 1)
+        prompts = prompts[:a.n_prompts]
     decode = None
     if a.tokenizer:
         from tasks import load_tokenizer
@@ -259,7 +289,8 @@ if __name__ == "__main__":
     pairs = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")] if a.table else [(a.trainer, a.engine)]
     results = []
     for tp, ep in pairs:
-        trainer, engine_model = prepare(base, tp), None if a.rollout_url else prepare(base, ep)
+        trainer = prepare(base, tp, a.invariant)
+        engine_model = None if a.rollout_url else prepare(base, ep, a.invariant)
         if a.inject_bug >= 0:
             inject_untransposed_comb(engine_model, a.inject_bug)
         samples = sample(engine_model, a.rollout_url, prompts, a.temperature, a.max_new_tokens, a.seed)

@@ -90,11 +90,15 @@ class KVCache:
 
 
 class Engine:
-    def __init__(self, model, max_batch=64, max_len=4096):
+    def __init__(self, model, max_batch=64, max_len=4096, row_multiple=1):
         self.model, self.args = model.eval(), model.args
         self.device = next(model.parameters()).device
         self.max_batch, self.max_len = max_batch, max_len
-        self.cache = KVCache(model, max_batch, max_len, self.device)
+        # row_multiple 8 (compare_logprobs --invariant): decode pads its batch with scratch slots and prefill its length
+        # to a multiple of 8, as the trainer pads its sequence: CPU BLAS and vectorised exp/sigmoid round otherwise for
+        # fewer than 8 rows or a tail, so a token's result would depend on how many shared the step
+        self.row_multiple = row_multiple
+        self.cache = KVCache(model, max_batch + row_multiple - 1, max_len, self.device)
         self.vocab_size, self.eos_token_id = self.args.vocab_size, self.args.eos_token_id
         self.weight_version = "default"
         self.lock = threading.Lock()  # held while stepping: weight swaps take it
@@ -255,7 +259,8 @@ class Engine:
         -> fp32 logits [B, vocab] at each prompt's last position; fills each slot's cache from position 0."""
         model, a = self.model, self.args
         lengths = [len(p) for p in prompts]
-        ids = torch.tensor([p + [0] * (max(lengths) - len(p)) for p in prompts], device=self.device)
+        n = -(-max(lengths) // self.row_multiple) * self.row_multiple
+        ids = torch.tensor([p + [0] * (n - len(p)) for p in prompts], device=self.device)
         x = model.embed_streams(ids)
         pos = torch.arange(ids.shape[1], device=self.device)
         for layer, c in zip(model.layers.values(), self.cache.layers):
@@ -281,19 +286,23 @@ class Engine:
             x = layer.hc_post(attn(h), x, post, comb)
             h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
             x = layer.hc_post(layer.ffn(layer.ffn_norm(h), ids), x, post, comb)
-        last = torch.tensor(lengths, device=self.device) - 1
-        return model.logits(x[torch.arange(len(prompts), device=self.device), last][:, None])[:, 0]
+        last, B = torch.tensor(lengths, device=self.device) - 1, len(prompts)
+        b = torch.arange(-(-B // self.row_multiple) * self.row_multiple, device=self.device) % B  # padded: repeats
+        return model.logits(x[b, last[b]][:, None])[:B, 0]
 
     def decode(self, slots, tokens, pos):
         """One token per sequence. slots, tokens, pos: [B] -> fp32 logits [B, vocab]."""
-        model = self.model
+        model, n, pad = self.model, len(slots), -len(slots) % self.row_multiple
+        if pad:  # scratch slots past max_batch decode token 0 at position 0; their rows are dropped
+            slots = torch.cat([slots, torch.arange(self.max_batch, self.max_batch + pad, device=self.device)])
+            tokens, pos = torch.cat([tokens, tokens.new_zeros(pad)]), torch.cat([pos, pos.new_zeros(pad)])
         x = model.embed_streams(tokens[:, None])  # [B, 1, n, D]
         for layer, c in zip(model.layers.values(), self.cache.layers):
             h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
             x = layer.hc_post(self._attn_decode(layer.attn, layer.attn_norm(h), c, slots, pos), x, post, comb)
             h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
             x = layer.hc_post(layer.ffn(layer.ffn_norm(h), tokens[:, None]), x, post, comb)
-        return model.logits(x)[:, 0]
+        return model.logits(x)[:n, 0]
 
     def _compressor_step(self, comp, h, c, name, slots, pos):
         """Add one token's kv/score row to its partial window; when the window completes, pool it into a
@@ -335,7 +344,7 @@ class Engine:
                 visible = visible & torch.zeros_like(visible).scatter_(-1, idx, True)
             keys = torch.cat([keys, c["comp"][slots, :S]], dim=1)
             mask = torch.cat([mask, visible[:, None]], dim=-1)
-        o = sink_attention(q, keys, mask, attn.attn_sink, attn.softmax_scale)
+        o = sink_attention(q, keys, mask, attn.attn_sink, attn.softmax_scale, attn.acc)
         return attn.output(o, cos, sin)
 
 

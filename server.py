@@ -553,13 +553,16 @@ def read_checkpoint(path, qformats):
 
 
 def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None, api_key=None, max_batch=64,
-          max_len=4096, background=True, quant="none"):
+          max_len=4096, background=True, quant="none", fp8_emu=False):
     """Serve a model_dsv4.Transformer, or a checkpoint directory loaded with from_pretrained. Returns the
-    HTTPServer (its .url, .close()), serving from a thread of its own, or not yet with background=False."""
+    HTTPServer (its .url, .close()), serving from a thread of its own, or not yet with background=False.
+    fp8_emu: FP8 activations, KV and indexer FP4 as the reference computes them (model.set_fp8_emulation)."""
     path = model if isinstance(model, str) else ""
     if path:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = from_pretrained(path, device=device, dtype=dtype)
+    if fp8_emu:
+        model.set_fp8_emulation(True)
     httpd = HTTPServer((host, port), Handler)
     httpd.app = app = Server(model, path, api_key, max_batch, max_len, quant)
     if app.qformats:  # the quantized state: the checkpoint's own (official format), else quantized here, once
@@ -597,12 +600,12 @@ def exit_with(pid):
 def serve(args):
     """`python rollout.py --serve ...`: one ready line with the URL, then serve until Ctrl-C or SIGTERM."""
     httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
-                  args.max_batch, args.max_len, background=False, quant=args.quant)
+                  args.max_batch, args.max_len, background=False, quant=args.quant, fp8_emu=args.fp8_emu)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
     if args.parent_pid:  # an embedded server outliving its trainer would hold the port and the memory
         threading.Thread(target=exit_with, args=(args.parent_pid,), daemon=True, name="parent-watch").start()
-    print(f"rollout server ready at {httpd.url} (model {os.path.abspath(args.model)}, {args.dtype}, "
-          f"quant {args.quant}, {httpd.app.engine.device}, pid {os.getpid()})", flush=True)
+    print(f"rollout server ready at {httpd.url} (model {os.path.abspath(args.model)}, {args.dtype}, quant {args.quant}"
+          f"{' + fp8 emulation' if args.fp8_emu else ''}, {httpd.app.engine.device}, pid {os.getpid()})", flush=True)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

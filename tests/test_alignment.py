@@ -86,6 +86,16 @@ def test_engine_vs_trainer_logprobs_fp32():
     assert r["tokens"] == 24 and r["max"] < 1e-4 and abs(r["kl_k3"]) < 1e-8
 
 
+def test_invariant_fp8_engine_equals_trainer_bit_for_bit():
+    """make_invariant (fp64 attention sums, calls padded to 8 rows) on both sides of the FP8-emulating pair: three
+    sequences decoded together (the batch is padded), each re-scored alone by a full forward, agree exactly."""
+    base = small_model()
+    trainer, engine_model = prepare(base, "fp8", invariant=True), prepare(base, "fp8", invariant=True)
+    prompts = [[5, 6, 7, 8], list(range(9, 40)), list(range(40, 53))]
+    r = compare(trainer, sample(engine_model, "", prompts, 1.0, 10, seed=0), 1.0, n_worst=1)
+    assert r["tokens"] == 30 and r["max"] == 0.0, r
+
+
 def test_layers_finds_injected_bug():
     """Trainer full forward vs engine KV-cache decode, fp32: clean, they agree everywhere; with one layer's
     comb untransposed they part at that layer's first hc_post (the attention sublayer's), not before.
