@@ -34,10 +34,13 @@ order and the first one above --tol.
 """
 import argparse
 import copy
+import os
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+import parallel
 from engine import Engine, SamplingParams
 from model_dsv4 import Attention, ModelArgs, Transformer, from_pretrained
 from quant import FP8Linear, fp4_dequantize, fp4_quantize, fp8_block_dequantize, fp8_block_quantize
@@ -59,11 +62,23 @@ def wide_init_(model, head_scale=4.0, seed=0):
 PRECISIONS = ("fp32", "bf16", "fp8", "fp8_fp4", "fp32_emu")
 
 
-@torch.no_grad()
 def prepare(base, precision, invariant=False):
     """A copy of the fp32 base in `precision` (see the module docstring); invariant: see make_invariant."""
+    return to_precision(copy.deepcopy(base), precision, invariant)
+
+
+def stage_of(base, grid, precision, invariant=False):
+    """This rank's part of the trainer under torchrun: a PP stage with its EP expert shard, built by parallel.py as
+    train_grpo.py builds it, holding the base's tensors (the names are the same)."""
+    stage, sd = parallel.build_stage(base.args, grid, torch.float32, init=False), base.state_dict()
+    stage.load_state_dict({k: sd[k] for k in stage.state_dict()})
+    return to_precision(stage, precision, invariant)
+
+
+@torch.no_grad()
+def to_precision(model, precision, invariant=False):
     assert precision in PRECISIONS, precision
-    model = copy.deepcopy(base).set_dtype(torch.float32 if precision.startswith("fp32") else torch.bfloat16)
+    model.set_dtype(torch.float32 if precision.startswith("fp32") else torch.bfloat16)
     if invariant:
         make_invariant(model)
     model.set_fp8_emulation(precision == "fp32_emu")
@@ -124,17 +139,24 @@ def sample(engine_model, url, prompts, temperature, max_new_tokens, seed):
 
 
 @torch.no_grad()
-def trainer_logprobs(model, prompt, out_ids, temperature):
-    """log_softmax(logits / T) of the generated tokens, from one full forward (what the GRPO step computes)."""
+def trainer_logprobs(model, prompt, out_ids, temperature, grid=None):
+    """log_softmax(logits / T) of the generated tokens, from one full forward (what the GRPO step computes). With a
+    grid, `model` is this rank's stage and the forward goes through the pipeline (parallel.forward_only): the last
+    stage gets the logprobs, the other stages None."""
     ids = torch.tensor(prompt + out_ids)[None]
-    logits = model(padded(ids, model))[0, len(prompt) - 1:ids.shape[1] - 1].float()
-    return (logits / max(temperature, 1e-6)).log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+    score = lambda logits, mb=None: ((logits[0, len(prompt) - 1:ids.shape[1] - 1].float() / max(temperature, 1e-6))
+                                     .log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0])
+    if grid is None:
+        return score(model(padded(ids, model)))
+    out = parallel.forward_only(model, grid, [{"input_ids": padded(ids, model)}], score)
+    return out[0] if out else None
 
 
-def compare(trainer, samples, temperature, n_worst=5, decode=None):
-    """The statistics of the module docstring, as a dict; prints the worst tokens."""
-    rows = [(i, j, lt, le) for i, (p, o, lp) in enumerate(samples)
-            for j, (lt, le) in enumerate(zip(trainer_logprobs(trainer, p, o, temperature).tolist(), lp))]
+def compare(scores, samples, temperature, n_worst=5, decode=None):
+    """The statistics of the module docstring, as a dict; prints the worst tokens. scores: the trainer's logprobs
+    of each sample's tokens (trainer_logprobs)."""
+    rows = [(i, j, lt, le) for i, ((p, o, lp), s) in enumerate(zip(samples, scores))
+            for j, (lt, le) in enumerate(zip(s.tolist(), lp))]
     lt, le = torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows])
     d, first = (lt - le).abs(), torch.tensor([r[1] == 0 for r in rows])
     log_ratio = (lt - le).clamp(-10, 10)
@@ -266,7 +288,14 @@ if __name__ == "__main__":
     ap.add_argument("--engine_path", default="cache", choices=["cache", "forward"], help="--layers: engine side runs")
     ap.add_argument("--tol", type=float, default=1e-3, help="--layers: relative error that counts as parting")
     ap.add_argument("--inject_bug", type=int, default=-1, help="engine side: layer whose mHC comb is untransposed")
+    ap.add_argument("--pp", type=int, default=1, help="under torchrun: the trainer as pp stages (parallel.py)")
+    ap.add_argument("--ep", type=int, default=1, help="under torchrun: experts sharded over ep ranks")
     a = ap.parse_args()
+    # under torchrun every rank holds a stage / expert shard of the trainer and runs every forward (DP ranks score
+    # the same samples, so the EP all-to-alls pair up); rank 0 samples, the last stage's first DP rank reports
+    grid = parallel.init_distributed(a.pp, a.ep) if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None
+    report = grid is None or (grid.is_last_stage and grid.dp_rank == 0)
+    assert grid is None or not a.layers, "--layers hooks one process's model: run it without torchrun"
 
     torch.manual_seed(a.seed)
     if a.init_from:
@@ -289,14 +318,28 @@ if __name__ == "__main__":
     pairs = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")] if a.table else [(a.trainer, a.engine)]
     results = []
     for tp, ep in pairs:
-        trainer = prepare(base, tp, a.invariant)
-        engine_model = None if a.rollout_url else prepare(base, ep, a.invariant)
-        if a.inject_bug >= 0:
-            inject_untransposed_comb(engine_model, a.inject_bug)
-        samples = sample(engine_model, a.rollout_url, prompts, a.temperature, a.max_new_tokens, a.seed)
+        trainer = prepare(base, tp, a.invariant) if grid is None else stage_of(base, grid, tp, a.invariant)
+        samples = None
+        if grid is None or grid.rank == 0:
+            engine_model = None if a.rollout_url else prepare(base, ep, a.invariant)
+            if a.inject_bug >= 0:
+                inject_untransposed_comb(engine_model, a.inject_bug)
+            samples = sample(engine_model, a.rollout_url, prompts, a.temperature, a.max_new_tokens, a.seed)
+        if grid is not None:
+            box = [samples]
+            dist.broadcast_object_list(box, src=0)
+            samples = box[0]
+        scores = [trainer_logprobs(trainer, p, o, a.temperature, grid) for p, o, _ in samples]
+        if not report:
+            continue
         name = f"trainer {tp} vs " + (f"server {a.rollout_url}" if a.rollout_url else f"engine {ep}")
-        results.append((name, compare(trainer, samples, a.temperature, decode=decode)))
+        results.append((name, compare(scores, samples, a.temperature, decode=decode)))
         print(line(*results[-1]))
+        if grid is not None:  # the layout against one process holding the whole trainer
+            whole = prepare(base, tp, a.invariant)
+            one = [trainer_logprobs(whole, p, o, a.temperature) for p, o, _ in samples]
+            diff = max((x - y).abs().max().item() for x, y in zip(scores, one))
+            print(f"trainer as pp {grid.pp_size} x ep {grid.ep_size} (dp {grid.dp_size}) vs one process: max |d| {diff:.2e}")
         if a.layers:
             assert not a.rollout_url, "--layers hooks the engine's modules: it needs the embedded engine"
             p, o, _ = samples[0]
@@ -304,7 +347,7 @@ if __name__ == "__main__":
             rec_b = trace_forward(engine_model, p + o) if a.engine_path == "forward" else trace_engine(engine_model, p + o, len(p))
             print(f"--layers: trainer {tp} (full forward) vs engine {ep} ({a.engine_path}), {len(p + o)} tokens")
             print_layers(*first_divergence(rec_a, rec_b, a.tol), a.tol)
-    if a.table:
+    if a.table and report:
         print("\n| trainer | engine | mean abs d logprob | p99 | max | KL (k3) | first token | rest |\n|---|---|---|---|---|---|---|---|")
         for (tp, ep), (_, r) in zip(pairs, results):
             print(f"| {tp} | {ep} | {r['mean']:.4f} | {r['p99']:.4f} | {r['max']:.4f} | {r['kl_k3']:.1e} | "
