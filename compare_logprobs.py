@@ -6,7 +6,9 @@ Trainer vs rollout engine: the logprobs of the same tokens, and where two implem
     python compare_logprobs.py --table                           # the README table (four pairs)
     python compare_logprobs.py --layers --trainer fp32 --engine bf16     # first layer and module where they part
     python compare_logprobs.py --layers --inject_bug 3           # a planted bug: layer 3's mHC comb untransposed
+    python compare_logprobs.py --table --invariant               # both sides path-invariant: the aligned pairs agree exactly
     python compare_logprobs.py --rollout_url http://localhost:30000 --init_from out/ckpt --trainer bf16
+    torchrun --nproc_per_node=4 compare_logprobs.py --pp 2 --ep 2   # the trainer as a PP x EP layout (parallel.py)
 
 The engine samples (the embedded Engine in this process, or any SGLang-compatible server through RolloutClient);
 the trainer re-scores the same tokens with a plain forward. Reported over the generated tokens:
@@ -31,6 +33,9 @@ so the mHC streams are included), token by token: the trainer side runs one full
 prefills the prompt and decodes the rest through its KV cache (or --engine_path forward: a second full
 forward, to compare precisions alone). It prints the relative error of every recorded module in execution
 order and the first one above --tol.
+
+--invariant (make_invariant, on both sides) removes what makes a token's numbers depend on the path that computed
+it: the rounding stays, so an aligned pair then agrees bit for bit, and what remains of a gap is a recipe difference.
 """
 import argparse
 import copy
