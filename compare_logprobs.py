@@ -104,8 +104,8 @@ def make_invariant(model, rows=8):
     forward, or prefill + KV-cache decode in a batch of any size): attention's softmax and P.V in fp64 (the full
     forward sums over all T keys masked, the decode over its ring buffer and entries, in another order), and every
     call padded to a multiple of `rows` rows (model.row_multiple: the engine pads its decode batch and prefill, the
-    trainer its sequence), because BLAS takes another kernel below 8 rows and vectorised exp / sigmoid round
-    otherwise than their scalar tail. Rounding to the model dtype and FP8 stay as they were."""
+    trainer its sequence), because fp32 BLAS takes another kernel for some counts under 12 rows and sigmoid rounds
+    otherwise for some sizes (seen with torch 2.13 on this CPU). Rounding to the model dtype and FP8 stay as they were."""
     for m in model.modules():
         if isinstance(m, Attention):
             m.acc = torch.float64

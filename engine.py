@@ -95,8 +95,8 @@ class Engine:
         self.device = next(model.parameters()).device
         self.max_batch, self.max_len = max_batch, max_len
         # row_multiple 8 (compare_logprobs --invariant): decode pads its batch with scratch slots and prefill its length
-        # to a multiple of 8, as the trainer pads its sequence: CPU BLAS and vectorised exp/sigmoid round otherwise for
-        # fewer than 8 rows or a tail, so a token's result would depend on how many shared the step
+        # to a multiple of 8, as the trainer pads its sequence: CPU BLAS (fp32, under 12 rows) and sigmoid round otherwise
+        # for other row counts, so a token's result would depend on how many shared the step
         self.row_multiple = row_multiple
         self.cache = KVCache(model, max_batch + row_multiple - 1, max_len, self.device)
         self.vocab_size, self.eos_token_id = self.args.vocab_size, self.args.eos_token_id
