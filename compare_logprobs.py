@@ -6,7 +6,9 @@ Trainer vs rollout engine: the logprobs of the same tokens, and where two implem
     python compare_logprobs.py --table                           # the README table (four pairs)
     python compare_logprobs.py --layers --trainer fp32 --engine bf16     # first layer and module where they part
     python compare_logprobs.py --layers --inject_bug 3           # a planted bug: layer 3's mHC comb untransposed
+    python compare_logprobs.py --table --invariant               # both sides path-invariant: the aligned pairs agree exactly
     python compare_logprobs.py --rollout_url http://localhost:30000 --init_from out/ckpt --trainer bf16
+    torchrun --nproc_per_node=4 compare_logprobs.py --pp 2 --ep 2   # the trainer as a PP x EP layout (parallel.py)
 
 The engine samples (the embedded Engine in this process, or any SGLang-compatible server through RolloutClient);
 the trainer re-scores the same tokens with a plain forward. Reported over the generated tokens:
@@ -31,14 +33,21 @@ so the mHC streams are included), token by token: the trainer side runs one full
 prefills the prompt and decodes the rest through its KV cache (or --engine_path forward: a second full
 forward, to compare precisions alone). It prints the relative error of every recorded module in execution
 order and the first one above --tol.
+
+--invariant (make_invariant, on both sides) removes what makes a token's numbers depend on the path that computed
+it: the rounding stays, so an aligned pair then agrees bit for bit, and what remains of a gap is a recipe difference.
 """
 import argparse
 import copy
+import os
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
+import parallel
 from engine import Engine, SamplingParams
-from model_dsv4 import ModelArgs, Transformer, from_pretrained
+from model_dsv4 import Attention, ModelArgs, Transformer, from_pretrained
 from quant import FP8Linear, fp4_dequantize, fp4_quantize, fp8_block_dequantize, fp8_block_quantize
 
 # -----------------------------------------------------------------------------
@@ -58,11 +67,25 @@ def wide_init_(model, head_scale=4.0, seed=0):
 PRECISIONS = ("fp32", "bf16", "fp8", "fp8_fp4", "fp32_emu")
 
 
+def prepare(base, precision, invariant=False):
+    """A copy of the fp32 base in `precision` (see the module docstring); invariant: see make_invariant."""
+    return to_precision(copy.deepcopy(base), precision, invariant)
+
+
+def stage_of(base, grid, precision, invariant=False):
+    """This rank's part of the trainer under torchrun: a PP stage with its EP expert shard, built by parallel.py as
+    train_grpo.py builds it, holding the base's tensors (the names are the same)."""
+    stage, sd = parallel.build_stage(base.args, grid, torch.float32, init=False), base.state_dict()
+    stage.load_state_dict({k: sd[k] for k in stage.state_dict()})
+    return to_precision(stage, precision, invariant)
+
+
 @torch.no_grad()
-def prepare(base, precision):
-    """A copy of the fp32 base in `precision` (see the module docstring)."""
+def to_precision(model, precision, invariant=False):
     assert precision in PRECISIONS, precision
-    model = copy.deepcopy(base).set_dtype(torch.float32 if precision.startswith("fp32") else torch.bfloat16)
+    model.set_dtype(torch.float32 if precision.startswith("fp32") else torch.bfloat16)
+    if invariant:
+        make_invariant(model)
     model.set_fp8_emulation(precision == "fp32_emu")
     if precision.startswith("fp8"):
         for name, m in model.named_modules():
@@ -74,6 +97,25 @@ def prepare(base, precision):
                     m.weight.copy_(fp8_block_dequantize(*fp8_block_quantize(w)))
         model.set_fp8_emulation(True)
     return model.eval()
+
+
+def make_invariant(model, rows=8):
+    """Path-invariant numerics on this CPU, so that a token's logprob does not depend on how it was computed (one full
+    forward, or prefill + KV-cache decode in a batch of any size): attention's softmax and P.V in fp64 (the full
+    forward sums over all T keys masked, the decode over its ring buffer and entries, in another order), and every
+    call padded to a multiple of `rows` rows (model.row_multiple: the engine pads its decode batch and prefill, the
+    trainer its sequence), because fp32 BLAS takes another kernel for some counts under 12 rows and sigmoid rounds
+    otherwise for some sizes (seen with torch 2.13 on this CPU). Rounding to the model dtype and FP8 stay as they were."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.acc = torch.float64
+    model.row_multiple = rows
+    return model
+
+
+def padded(ids, model):
+    """ids [1, T] right-padded to the model's row multiple (causal: the pads never reach the real tokens)."""
+    return F.pad(ids, (0, -ids.shape[1] % getattr(model, "row_multiple", 1)))
 
 
 def inject_untransposed_comb(model, layer):
@@ -94,24 +136,32 @@ def sample(engine_model, url, prompts, temperature, max_new_tokens, seed):
         sp = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": True}
         outs = RolloutClient(url).generate(prompts, 1, sp, seed=seed, desc="compare")
         return [(p, o[0]["output_ids"], o[0]["logprobs"]) for p, o in zip(prompts, outs)]
-    engine = Engine(engine_model, max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 1)
+    engine = Engine(engine_model, max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 8,
+                    row_multiple=getattr(engine_model, "row_multiple", 1))
     sp = [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True, seed=seed + i)
           for i in range(len(prompts))]
     return [(r.input_ids, r.output_ids, r.output_logprobs) for r in engine.generate(prompts, sp)]
 
 
 @torch.no_grad()
-def trainer_logprobs(model, prompt, out_ids, temperature):
-    """log_softmax(logits / T) of the generated tokens, from one full forward (what the GRPO step computes)."""
+def trainer_logprobs(model, prompt, out_ids, temperature, grid=None):
+    """log_softmax(logits / T) of the generated tokens, from one full forward (what the GRPO step computes). With a
+    grid, `model` is this rank's stage and the forward goes through the pipeline (parallel.forward_only): the last
+    stage gets the logprobs, the other stages None."""
     ids = torch.tensor(prompt + out_ids)[None]
-    logits = model(ids)[0, len(prompt) - 1:-1].float()
-    return (logits / max(temperature, 1e-6)).log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+    score = lambda logits, mb=None: ((logits[0, len(prompt) - 1:ids.shape[1] - 1].float() / max(temperature, 1e-6))
+                                     .log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0])
+    if grid is None:
+        return score(model(padded(ids, model)))
+    out = parallel.forward_only(model, grid, [{"input_ids": padded(ids, model)}], score)
+    return out[0] if out else None
 
 
-def compare(trainer, samples, temperature, n_worst=5, decode=None):
-    """The statistics of the module docstring, as a dict; prints the worst tokens."""
-    rows = [(i, j, lt, le) for i, (p, o, lp) in enumerate(samples)
-            for j, (lt, le) in enumerate(zip(trainer_logprobs(trainer, p, o, temperature).tolist(), lp))]
+def compare(scores, samples, temperature, n_worst=5, decode=None):
+    """The statistics of the module docstring, as a dict; prints the worst tokens. scores: the trainer's logprobs
+    of each sample's tokens (trainer_logprobs)."""
+    rows = [(i, j, lt, le) for i, ((p, o, lp), s) in enumerate(zip(samples, scores))
+            for j, (lt, le) in enumerate(zip(s.tolist(), lp))]
     lt, le = torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows])
     d, first = (lt - le).abs(), torch.tensor([r[1] == 0 for r in rows])
     log_ratio = (lt - le).clamp(-10, 10)
@@ -172,8 +222,8 @@ class Trace:
 
     def put(self, key, out):
         # out: [1, t, ...]; a call that returns fewer rows than positions (prefill logits) covers the last ones
-        rows = self.rec.setdefault(key, {})
-        for p, row in zip(self.pos[len(self.pos) - out.shape[1]:], out[0]):
+        rows, out_rows = self.rec.setdefault(key, {}), out[0, :len(self.pos)]  # padded rows are dropped
+        for p, row in zip(self.pos[len(self.pos) - len(out_rows):], out_rows):
             rows[p] = row.detach().float().clone()
         return out
 
@@ -182,7 +232,7 @@ class Trace:
 def trace_forward(model, ids):
     t = Trace(model)
     t.pos = list(range(len(ids)))
-    model(torch.tensor(ids)[None])
+    model(padded(torch.tensor(ids)[None], model))
     t.close()
     return t.rec
 
@@ -190,7 +240,8 @@ def trace_forward(model, ids):
 @torch.no_grad()
 def trace_engine(model, ids, n_prompt):
     """Prefill ids[:n_prompt], then decode ids[n_prompt:] one token at a time through the KV cache."""
-    engine, t = Engine(model, max_batch=1, max_len=len(ids) + 1), Trace(model)
+    engine = Engine(model, max_batch=1, max_len=len(ids) + 8, row_multiple=getattr(model, "row_multiple", 1))
+    t = Trace(model)
     t.pos = list(range(n_prompt))
     engine.prefill([0], [ids[:n_prompt]])
     for p in range(n_prompt, len(ids)):
@@ -232,7 +283,9 @@ if __name__ == "__main__":
     ap.add_argument("--trainer", default="fp32", choices=PRECISIONS)
     ap.add_argument("--engine", default="fp32", choices=PRECISIONS)
     ap.add_argument("--table", action="store_true", help="fp32/fp32, bf16/bf16, bf16/fp8, fp8/fp8 as a table")
+    ap.add_argument("--invariant", action="store_true", help="both sides path-invariant (make_invariant): what closes the gap")
     ap.add_argument("--n_prompts", type=int, default=8)
+    ap.add_argument("--prompts", default="random", choices=["random", "toy"], help="random ids, or the toy task's prompts")
     ap.add_argument("--max_new_tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -240,7 +293,14 @@ if __name__ == "__main__":
     ap.add_argument("--engine_path", default="cache", choices=["cache", "forward"], help="--layers: engine side runs")
     ap.add_argument("--tol", type=float, default=1e-3, help="--layers: relative error that counts as parting")
     ap.add_argument("--inject_bug", type=int, default=-1, help="engine side: layer whose mHC comb is untransposed")
+    ap.add_argument("--pp", type=int, default=1, help="under torchrun: the trainer as pp stages (parallel.py)")
+    ap.add_argument("--ep", type=int, default=1, help="under torchrun: experts sharded over ep ranks")
     a = ap.parse_args()
+    # under torchrun every rank holds a stage / expert shard of the trainer and runs every forward (DP ranks score
+    # the same samples, so the EP all-to-alls pair up); rank 0 samples, the last stage's first DP rank reports
+    grid = parallel.init_distributed(a.pp, a.ep) if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None
+    report = grid is None or (grid.is_last_stage and grid.dp_rank == 0)
+    assert grid is None or not a.layers, "--layers hooks one process's model: run it without torchrun"
 
     torch.manual_seed(a.seed)
     if a.init_from:
@@ -250,6 +310,10 @@ if __name__ == "__main__":
     g = torch.Generator().manual_seed(a.seed)
     lengths = torch.randint(4, 65, (a.n_prompts,), generator=g).tolist()
     prompts = [torch.randint(2, base.args.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    if a.prompts == "toy":  # what a model trained by `python train_grpo.py` was trained on
+        from tasks import load_tokenizer, prompt_ids, toy_problems
+        prompts = [prompt_ids(load_tokenizer("bytes"), p["prompt"]) for p in toy_problems()] * (a.n_prompts // 10 + 1)
+        prompts = prompts[:a.n_prompts]
     decode = None
     if a.tokenizer:
         from tasks import load_tokenizer
@@ -259,13 +323,28 @@ if __name__ == "__main__":
     pairs = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")] if a.table else [(a.trainer, a.engine)]
     results = []
     for tp, ep in pairs:
-        trainer, engine_model = prepare(base, tp), None if a.rollout_url else prepare(base, ep)
-        if a.inject_bug >= 0:
-            inject_untransposed_comb(engine_model, a.inject_bug)
-        samples = sample(engine_model, a.rollout_url, prompts, a.temperature, a.max_new_tokens, a.seed)
+        trainer = prepare(base, tp, a.invariant) if grid is None else stage_of(base, grid, tp, a.invariant)
+        samples = None
+        if grid is None or grid.rank == 0:
+            engine_model = None if a.rollout_url else prepare(base, ep, a.invariant)
+            if a.inject_bug >= 0:
+                inject_untransposed_comb(engine_model, a.inject_bug)
+            samples = sample(engine_model, a.rollout_url, prompts, a.temperature, a.max_new_tokens, a.seed)
+        if grid is not None:
+            box = [samples]
+            dist.broadcast_object_list(box, src=0)
+            samples = box[0]
+        scores = [trainer_logprobs(trainer, p, o, a.temperature, grid) for p, o, _ in samples]
+        if not report:
+            continue
         name = f"trainer {tp} vs " + (f"server {a.rollout_url}" if a.rollout_url else f"engine {ep}")
-        results.append((name, compare(trainer, samples, a.temperature, decode=decode)))
+        results.append((name, compare(scores, samples, a.temperature, decode=decode)))
         print(line(*results[-1]))
+        if grid is not None:  # the layout against one process holding the whole trainer
+            whole = prepare(base, tp, a.invariant)
+            one = [trainer_logprobs(whole, p, o, a.temperature) for p, o, _ in samples]
+            diff = max((x - y).abs().max().item() for x, y in zip(scores, one))
+            print(f"trainer as pp {grid.pp_size} x ep {grid.ep_size} (dp {grid.dp_size}) vs one process: max |d| {diff:.2e}")
         if a.layers:
             assert not a.rollout_url, "--layers hooks the engine's modules: it needs the embedded engine"
             p, o, _ = samples[0]
@@ -273,7 +352,7 @@ if __name__ == "__main__":
             rec_b = trace_forward(engine_model, p + o) if a.engine_path == "forward" else trace_engine(engine_model, p + o, len(p))
             print(f"--layers: trainer {tp} (full forward) vs engine {ep} ({a.engine_path}), {len(p + o)} tokens")
             print_layers(*first_divergence(rec_a, rec_b, a.tol), a.tol)
-    if a.table:
+    if a.table and report:
         print("\n| trainer | engine | mean abs d logprob | p99 | max | KL (k3) | first token | rest |\n|---|---|---|---|---|---|---|---|")
         for (tp, ep), (_, r) in zip(pairs, results):
             print(f"| {tp} | {ep} | {r['mean']:.4f} | {r['p99']:.4f} | {r['max']:.4f} | {r['kl_k3']:.1e} | "

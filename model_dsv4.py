@@ -313,20 +313,21 @@ class Indexer(nn.Module):
         return chosen & visible  # picks that landed on invisible entries mean "no entry"
 
 
-def sink_attention(q, kv, mask, sink, scale):
-    """Softmax attention where a per-head sink logit enlarges the denominator only.
+def sink_attention(q, kv, mask, sink, scale, acc=None):
+    """Softmax attention where a per-head sink logit enlarges the denominator only. acc=float64 (Attention.acc): softmax
+    and P.V summed in fp64, then rounded as usual: the result no longer depends on the key list's length and order.
     q: [B, T, H, d], kv: [B, L, d] (K == V), mask: bool [B or 1, T, L], sink: [H] -> [B, T, H, d]"""
     logits = torch.einsum("bthd,bld->bhtl", q.float(), kv.float()) * scale
-    logits = logits.masked_fill(~mask[:, None], float("-inf"))
-    B, H, T, _ = logits.shape
-    sinks = sink.float().view(1, H, 1, 1).expand(B, H, T, 1)
+    logits = logits.masked_fill(~mask[:, None], float("-inf")).to(acc or torch.float32)
+    sinks = sink.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
     probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.einsum("bhtl,bld->bthd", probs.to(kv.dtype), kv)
+    return torch.einsum("bhtl,bld->bthd", probs.to(kv.dtype).to(acc or kv.dtype), kv.to(acc or kv.dtype)).to(kv.dtype)
 
 
 class Attention(nn.Module):
     """Shared-KV MQA with a low-rank query, sliding window + optional compressed keys, and an attention sink."""
     fast = False  # set by Transformer.set_kernels
+    acc = None  # sink_attention's: float64 makes it path-invariant (compare_logprobs --invariant; reference path)
     def __init__(self, layer_id, args):
         super().__init__()
         self.args, self.layer_id = args, layer_id
@@ -387,7 +388,7 @@ class Attention(nn.Module):
         if self.ratio:
             kv = torch.cat([kv, ckv], dim=1)
             mask = torch.cat([mask.expand(cmask.shape[0], -1, -1), cmask], dim=-1)
-        o = sink_attention(q, kv, mask, self.attn_sink, self.softmax_scale)
+        o = sink_attention(q, kv, mask, self.attn_sink, self.softmax_scale, self.acc)
         return self.output(o, cos, sin)
 
 

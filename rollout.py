@@ -315,6 +315,8 @@ if __name__ == "__main__":
     p.add_argument("--quant", default="none", choices=["none", "fp8", "fp8_fp4"],
                    help="serve from the official FP8 (and FP4 routed experts) tensors (server.py)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    p.add_argument("--fp8-emu", action="store_true", help="FP8 activations, KV and indexer FP4 (set_fp8_emulation)")
+    p.add_argument("--invariant", action="store_true", help="path-invariant numerics (compare_logprobs --invariant)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-len", type=int, default=4096)

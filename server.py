@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from engine import Engine, SamplingParams
-from model_dsv4 import canonical_name, checkpoint_index, from_pretrained, load_state_dict
+from model_dsv4 import Attention, canonical_name, checkpoint_index, from_pretrained, load_state_dict
 from quant import as_bytes, dequantize, e8m0_to_float, quant_format, quantize_tensor, quantized_meta, scale_name
 from rollout import init_weight_update_group
 
@@ -118,14 +118,14 @@ class Server:
     """What the handler threads share: the model, the engine and its scheduler thread, the weight-update
     session and process groups. One method per endpoint: (JSON body, handler) -> JSON-able answer."""
 
-    def __init__(self, model, model_path="", api_key=None, max_batch=64, max_len=4096, quant="none"):
+    def __init__(self, model, model_path="", api_key=None, max_batch=64, max_len=4096, quant="none", row_multiple=1):
         self.model, self.model_path, self.api_key, self.max_len = model, model_path, api_key, max_len
         # quantized serving: {name: (shape, dtype)} of every quantized weight and scale; qstate holds them as
         # sent; `dirty` names arrived since the compute weights were last rebuilt from them
         self.quant, self.qstate, self.dirty = quant, {}, set()
         self.qformats = {n: (s, d) for k, v in model.state_dict().items() if quant_format(k, quant)
                          for n, s, d in quantized_meta(k, tuple(v.shape), v.dtype, quant)}
-        self.engine = Engine(model, max_batch=max_batch, max_len=max_len)
+        self.engine = Engine(model, max_batch=max_batch, max_len=max_len, row_multiple=row_multiple)
         self.vocab = self.engine.vocab_size
         self.stop = threading.Event()
         self.loop = threading.Thread(target=self.engine.run_forever, args=(self.stop,), daemon=True, name="scheduler")
@@ -575,16 +575,23 @@ def read_checkpoint(path, qformats):
 
 
 def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None, api_key=None, max_batch=64,
-          max_len=4096, background=True, quant="none"):
+          max_len=4096, background=True, quant="none", fp8_emu=False, invariant=False):
     """Serve a model_dsv4.Transformer, or a checkpoint directory loaded with from_pretrained. Returns the
-    HTTPServer (its .url, .close()), serving from a thread of its own, or not yet with background=False."""
+    HTTPServer (its .url, .close()), serving from a thread of its own, or not yet with background=False.
+    fp8_emu: FP8 activations, KV and indexer FP4 as the reference computes them (model.set_fp8_emulation).
+    invariant: compare_logprobs.make_invariant on this side (fp64 attention sums, decode and prefill padded to 8 rows)."""
     path = model if isinstance(model, str) else ""
     if path:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = from_pretrained(path, device=device, dtype=dtype)
     model.set_kernels(next(model.parameters()).is_cuda)  # kernels.py for prefill on a GPU (decode: engine.py)
+    if fp8_emu:
+        model.set_fp8_emulation(True)
+    for m in model.modules() if invariant else ():
+        if isinstance(m, Attention):
+            m.acc = torch.float64
     httpd = HTTPServer((host, port), Handler)
-    httpd.app = app = Server(model, path, api_key, max_batch, max_len, quant)
+    httpd.app = app = Server(model, path, api_key, max_batch, max_len, quant, 8 if invariant else 1)
     app.local = ipaddress.ip_address(httpd.server_address[0]).is_loopback
     if not app.local and not api_key:
         print(f"warning: listening on {host} without --api-key: /generate is open to the network, and the "
@@ -624,13 +631,15 @@ def exit_with(pid):
 def serve(args):
     """`python rollout.py --serve ...`: one ready line with the URL, then serve until Ctrl-C or SIGTERM."""
     httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
-                  args.max_batch, args.max_len, background=False, quant=args.quant)
+                  args.max_batch, args.max_len, background=False, quant=args.quant, fp8_emu=args.fp8_emu,
+                  invariant=args.invariant)
     httpd.app.engine.weight_version = args.weight_version  # SGLang's --weight-version: what its samples carry
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
     if args.parent_pid:  # an embedded server outliving its trainer would hold the port and the memory
         threading.Thread(target=exit_with, args=(args.parent_pid,), daemon=True, name="parent-watch").start()
-    print(f"rollout server ready at {httpd.url} (model {os.path.abspath(args.model)}, {args.dtype}, "
-          f"quant {args.quant}, {httpd.app.engine.device}, pid {os.getpid()})", flush=True)
+    print(f"rollout server ready at {httpd.url} (model {os.path.abspath(args.model)}, {args.dtype}, quant {args.quant}"
+          f"{' + fp8 emulation' if args.fp8_emu else ''}{', invariant' if args.invariant else ''}, "
+          f"{httpd.app.engine.device}, pid {os.getpid()})", flush=True)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

@@ -1,6 +1,11 @@
 """FP8 reference numerics (set_fp8_emulation) against quant.py's round trips, and compare_logprobs.py's tools:
 engine vs trainer logprobs, and --layers finding a planted single-layer bug."""
 import copy
+import json
+import os
+import re
+import subprocess
+import sys
 from dataclasses import replace
 
 import torch
@@ -8,7 +13,8 @@ import torch.nn.functional as F
 
 import quant
 from compare_logprobs import (compare, first_divergence, inject_untransposed_comb, prepare, sample, trace_engine,
-                              trace_forward)
+                              trace_forward, trainer_logprobs)
+import parallel_run
 from conftest import SMALL, randomize_
 from model_dsv4 import Transformer, apply_rope, rope_cos_sin
 from quant import fake_quant_fp4, fake_quant_fp8, hadamard
@@ -82,8 +88,19 @@ def test_fp8_prepare_rounds_weights_once():
 def test_engine_vs_trainer_logprobs_fp32():
     model = small_model()
     samples = sample(model, "", [[5, 6, 7, 8], list(range(9, 40))], 1.0, 12, seed=0)
-    r = compare(model, samples, 1.0, n_worst=2)
+    r = compare([trainer_logprobs(model, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=2)
     assert r["tokens"] == 24 and r["max"] < 1e-4 and abs(r["kl_k3"]) < 1e-8
+
+
+def test_invariant_fp8_engine_equals_trainer_bit_for_bit():
+    """make_invariant (fp64 attention sums, calls padded to 8 rows) on both sides of the FP8-emulating pair: three
+    sequences decoded together (the batch is padded), each re-scored alone by a full forward, agree exactly."""
+    base = small_model()
+    trainer, engine_model = prepare(base, "fp8", invariant=True), prepare(base, "fp8", invariant=True)
+    prompts = [[5, 6, 7, 8], list(range(9, 40)), list(range(40, 53))]
+    samples = sample(engine_model, "", prompts, 1.0, 10, seed=0)
+    r = compare([trainer_logprobs(trainer, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=1)
+    assert r["tokens"] == 30 and r["max"] == 0.0, r
 
 
 def test_layers_finds_injected_bug():
@@ -98,3 +115,18 @@ def test_layers_finds_injected_bug():
     buggy = inject_untransposed_comb(copy.deepcopy(model), bug_layer)
     errs, first = first_divergence(ref, trace_engine(buggy, ids, 10), 1e-3)
     assert first == f"layers.{bug_layer}.hc_post.attn", errs
+
+
+def test_trainer_scores_under_pp_ep_layout(tmp_path):
+    """compare_logprobs under torchrun: the trainer as 2 pipeline stages x 2 expert shards (4 gloo ranks, parallel.py's
+    stages as train_grpo.py builds them) scores the engine's samples as one process holding the whole model does."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(parallel_run.ARGS))
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                          "compare_logprobs.py", "--config", str(cfg), "--pp=2", "--ep=2", "--n_prompts=2",
+                          "--max_new_tokens=6"], cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    diff = re.search(r"pp 2 x ep 2 \(dp 2\) vs one process: max \|d\| (\S+)", out.stdout)
+    assert diff and float(diff.group(1)) < 1e-5, out.stdout[-2000:]
