@@ -59,11 +59,13 @@ def stack_experts_(experts):
 
 
 def is_stacked(experts, stacked):
-    """Whether the experts' parameters are (still) the views stack_experts_ made of `stacked`."""
-    I = experts[0].w1.weight.shape[0]
+    """Whether the experts' parameters are (still) the views stack_experts_ made of `stacked`. The first and last
+    expert stand for all: what breaks the views (a deepcopy, a dtype or device cast) replaces every parameter, and
+    this runs per MoE call of an eager decode, so it stays cheap."""
+    I, i = experts[0].w1.weight.shape[0], len(experts) - 1
     return stacked is not None and all(
-        e.w1.weight.data_ptr() == stacked[0][i].data_ptr() and e.w3.weight.data_ptr() == stacked[0][i, I:].data_ptr()
-        and e.w2.weight.data_ptr() == stacked[1][i].data_ptr() for i, e in enumerate(experts))
+        e.w1.weight.data_ptr() == stacked[0][j].data_ptr() and e.w3.weight.data_ptr() == stacked[0][j, I:].data_ptr()
+        and e.w2.weight.data_ptr() == stacked[1][j].data_ptr() for j, e in ((0, experts[0]), (i, experts[i])))
 
 
 def grouped_experts(experts, xs, ws, counts, limit, stacked=None):
@@ -92,7 +94,8 @@ def window_attention(q, kv, ckv, cmask, sink, scale, window):
     w, dt = window, kv.dtype
     nb = -(-T // w)
     pad = nb * w - T
-    qb = F.pad(q, (0, 0, 0, 0, 0, pad)).reshape(B * nb, w * H, d)  # rows (t, h) of a block
+    qp = F.pad(q, (0, 0, 0, 0, 0, pad))  # [B, nb*w, H, d]
+    qb = qp.reshape(B * nb, w * H, d)  # rows (t, h) of a block
     kvp = F.pad(kv, (0, 0, w, pad))  # a zero block in front: block 0's "previous block"
     keys = torch.cat([kvp[:, :-w].reshape(B, nb, w, d), kvp[:, w:].reshape(B, nb, w, d)], dim=2).flatten(0, 1)
     logits = matmul_f32(qb, keys.transpose(1, 2)).view(B * nb, w, H, 2 * w) * scale  # [B*nb, w, H, 2w]
@@ -103,8 +106,7 @@ def window_attention(q, kv, ckv, cmask, sink, scale, window):
     parts = [logits]
     if ckv is not None and ckv.shape[1]:
         S = ckv.shape[1]
-        qc = F.pad(q, (0, 0, 0, 0, 0, pad)).reshape(B, nb * w * H, d)
-        clog = matmul_f32(qc, ckv.transpose(1, 2)).view(B, nb * w, H, S) * scale
+        clog = matmul_f32(qp.reshape(B, nb * w * H, d), ckv.transpose(1, 2)).view(B, nb * w, H, S) * scale
         cm = F.pad(cmask.expand(B, -1, -1), (0, 0, 0, pad))[:, :, None]  # [B, nb*w, 1, S]
         parts.append(clog.masked_fill(~cm, float("-inf")).view(B * nb, w, H, S))
     parts.append(sink.float().view(1, 1, H, 1).expand(B * nb, w, H, 1))
