@@ -35,7 +35,8 @@ p.add_argument("--bucket_mb", type=float, default=512, help="sync: bucket size o
 p.add_argument("--tmp", default=None, help="sync: directory for the disk transport (default: the system's temp dir)")
 p.add_argument("--kernels", default="auto", choices=["auto", "fast", "reference"],
                help="kernels.py's fast paths (auto: on a GPU) or the plain reference")
-p.add_argument("--compile", action="store_true", help="kernels.compile_hot_paths() before building the models")
+p.add_argument("--compile", default="off", choices=["off", "hot", "layers"],
+               help="kernels.compile_hot_paths() (hot) or kernels.compile_layers() (layers) before building the models")
 p.add_argument("--profile", action="store_true", help="train: print the top CUDA/CPU ops of one step of ours")
 p.add_argument("--layers", type=int, default=0, help="keep only the first N trunk layers (less memory; 0 = all)")
 cli = p.parse_args()
@@ -173,19 +174,25 @@ def bench_mismatch(ours, args, device, versions):
     prompts = [torch.randint(2, args.vocab_size, (int(n),), generator=g).tolist()
                for n in torch.randint(4, cli.seq + 1, (cli.batch,), generator=g)]
     sp = [SamplingParams(temperature=1.0, max_new_tokens=cli.new_tokens, ignore_eos=True, seed=i) for i in range(cli.batch)]
-    reqs = Engine(ours, max_batch=cli.batch, max_len=cli.seq + cli.new_tokens).generate(prompts, sp)
-    diffs = []
-    with torch.no_grad():
-        for r in reqs:
-            ids = torch.tensor(r.input_ids + r.output_ids, device=device)[None]
-            lp = ours(ids)[0, len(r.input_ids) - 1:-1].log_softmax(-1).gather(-1, ids[0, len(r.input_ids):, None])
-            diffs.append((lp[:, 0].cpu() - torch.tensor(r.output_logprobs)).abs())
-    d = torch.stack(diffs)  # [prompts, new tokens]
     print(f"trainer vs engine logprobs, {cli.model}, {cli.batch} prompts of 4-{cli.seq} tokens, {cli.new_tokens} "
           f"sampled tokens each (temperature 1), {cli.dtype}, kernels {cli.kernels}, {versions}")
-    print(f"  mean |Δ logprob| {d.mean():.4f}   p99 {d.flatten().quantile(0.99):.4f}   max {d.max():.4f}   "
-          f"first token {d[:, 0].mean():.4f}   rest {d[:, 1:].mean():.4f}   "
-          f"(mean sampled logprob {sum(sum(r.output_logprobs) for r in reqs) / d.numel():.2f})")
+    mm = torch.backends.cuda.matmul
+    # on a GPU, also with cuBLAS's bf16 split-K reductions kept in fp32 (torch's default lets them round to bf16)
+    for reduced in ((True, False) if device.type == "cuda" else (True,)):
+        mm.allow_bf16_reduced_precision_reduction = reduced
+        reqs = Engine(ours, max_batch=cli.batch, max_len=cli.seq + cli.new_tokens).generate(prompts, sp)
+        diffs = []
+        with torch.no_grad():
+            for r in reqs:
+                ids = torch.tensor(r.input_ids + r.output_ids, device=device)[None]
+                lp = ours(ids)[0, len(r.input_ids) - 1:-1].log_softmax(-1).gather(-1, ids[0, len(r.input_ids):, None])
+                diffs.append((lp[:, 0].cpu() - torch.tensor(r.output_logprobs)).abs())
+        d = torch.stack(diffs)  # [prompts, new tokens]
+        print(f"  {'' if device.type != 'cuda' else 'split-K in bf16 allowed: ' if reduced else 'split-K in fp32:         '}"
+              f"mean |Δ logprob| {d.mean():.4f}   p99 {d.flatten().quantile(0.99):.4f}   max {d.max():.4f}   "
+              f"first token {d[:, 0].mean():.4f}   rest {d[:, 1:].mean():.4f}   "
+              f"(mean sampled logprob {sum(sum(r.output_logprobs) for r in reqs) / d.numel():.2f})")
+    mm.allow_bf16_reduced_precision_reduction = True
 
 
 def bench_sync(args, dtype, device, versions):
@@ -247,9 +254,9 @@ if __name__ == "__main__":
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cli.dtype)
     args = ModelArgs.from_json(cli.model)
-    if cli.compile:
-        from kernels import compile_hot_paths
-        compile_hot_paths()
+    if cli.compile != "off":
+        import kernels
+        kernels.compile_hot_paths() if cli.compile == "hot" else kernels.compile_layers()
     if cli.layers:
         n, args.num_hidden_layers = args.num_hidden_layers, cli.layers
         args.compress_ratios = args.compress_ratios[:cli.layers] + args.compress_ratios[n:]  # MTP's entries stay

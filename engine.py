@@ -105,10 +105,7 @@ class Engine:
         # batch bucket -> CUDA graph of _decode; graphs need its sync-free path: fast kernels (grouped GEMM
         # experts, which CUDA runs in bf16) and no FP8 emulation
         fast = all(layer.ffn.fast for layer in model.layers.values())
-        for layer in model.layers.values():  # experts read in place by the grouped GEMM
-            experts = list(layer.ffn.experts.values())
-            if layer.ffn.fast and not is_stacked(experts, getattr(layer.ffn, "stacked", None)):
-                layer.ffn.stacked = stack_experts_(experts)
+        self._stack_experts()
         self.graphs = {} if (cuda_graphs and self.device.type == "cuda" and fast and model.dtype == torch.bfloat16
                              and not any(getattr(m, "fp8_emu", False) for m in model.modules())) else None
         self.vocab_size, self.eos_token_id = self.args.vocab_size, self.args.eos_token_id
@@ -306,11 +303,25 @@ class Engine:
         b = torch.arange(-(-B // self.row_multiple) * self.row_multiple, device=self.device) % B  # padded: repeats
         return model.logits(x[b, last[b]][:, None])[:B, 0]
 
+    def _stack_experts(self):
+        """Experts read in place by the grouped GEMM (kernels.stack_experts_). Re-stacked if something replaced
+        the parameters (a dtype cast), and then the CUDA graphs, which read the old stack, are dropped.
+        -> whether it re-stacked."""
+        done = False
+        for layer in self.model.layers.values():
+            experts = list(layer.ffn.experts.values())
+            if layer.ffn.fast and not is_stacked(experts, getattr(layer.ffn, "stacked", None)):
+                layer.ffn.stacked, done = stack_experts_(experts), True
+        if done and getattr(self, "graphs", None):
+            self.graphs = {}
+        return done
+
     def decode(self, slots, tokens, pos):
         """One token per sequence. slots, tokens, pos: [B] -> fp32 logits [B, vocab].
         On a GPU this replays a CUDA graph of _decode captured for the smallest batch bucket >= B (the padding
         rows decode into the scratch slot): one launch instead of thousands, which is what bounds decode there."""
         B = len(slots)
+        self._stack_experts()  # here, not in the MoE: compiled code and CUDA graphs read the stack as given
         if self.graphs is None:
             pad = -B % self.row_multiple
             if pad:  # scratch slots past max_batch decode token 0 at position 0; their rows are dropped
@@ -349,11 +360,16 @@ class Engine:
         model = self.model
         x = model.embed_streams(tokens[:, None])  # [B, 1, n, D]
         for layer, c in zip(model.layers.values(), self.cache.layers):
-            h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
-            x = layer.hc_post(self._attn_decode(layer.attn, layer.attn_norm(h), c, slots, pos), x, post, comb)
-            h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
-            x = layer.hc_post(layer.ffn(layer.ffn_norm(h), tokens[:, None]), x, post, comb)
+            x = self._decode_layer(layer, c, x, slots, tokens, pos)
         return model.logits(x)[:, 0]
+
+    def _decode_layer(self, layer, c, x, slots, tokens, pos):
+        # one Block.forward for one token per sequence, reading and writing the layer's cache c
+        # (kernels.compile_layers compiles this: layers of one kind share the compiled code)
+        h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
+        x = layer.hc_post(self._attn_decode(layer.attn, layer.attn_norm(h), c, slots, pos), x, post, comb)
+        h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
+        return layer.hc_post(layer.ffn(layer.ffn_norm(h), tokens[:, None]), x, post, comb)
 
     def _compressor_step(self, comp, h, c, name, slots, pos):
         """Add one token's kv/score row to its partial window; when the window completes, pool it into a
@@ -385,8 +401,10 @@ class Engine:
         if attn.ratio:
             self._compressor_step(attn.compressor, h, c, "comp", slots, pos)
             n_vis = (pos + 1) // attn.ratio  # entries whose whole window is at or before pos
-            # CUDA graphs need fixed shapes: every cache entry, masked; eager reads up to the longest sequence's
-            S = c["comp"].shape[1] if self.graphs is not None else max(int(n_vis.max()), 1)
+            # CUDA graphs and compiled code want fixed shapes: every cache entry, masked; eager reads up to the
+            # longest sequence's
+            static = self.graphs is not None or torch.compiler.is_compiling()
+            S = c["comp"].shape[1] if static else max(int(n_vis.max()), 1)
             visible = torch.arange(S, device=pos.device)[None] < n_vis[:, None]  # [B, S]
             if attn.indexer is not None:
                 self._compressor_step(attn.indexer.compressor, h, c, "idx", slots, pos)

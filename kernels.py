@@ -12,6 +12,7 @@ Fast paths for the model's three expensive pieces, each beside the plain referen
     so the [T, T] score matrix of the reference (sink_attention with a band mask) is never formed.
 
 `Transformer.set_kernels(True)` switches the last two on (train_grpo.py: `kernels='auto'` = on for CUDA).
+compile_hot_paths / compile_layers (train_grpo.py `compile`, bench.py --compile) add torch.compile.
 """
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,8 @@ def grouped_experts(experts, xs, ws, counts, limit, stacked=None):
     no host sync) -> [R, D]. Same math as Expert.forward: clamped SwiGLU, routing weight before w2.
     The weights: `stacked` (stack_experts_) when no gradient is wanted and the parameters are still its views
     (a deepcopy or a dtype cast breaks that), else stacked here (the checkpoint keeps a tensor per expert)."""
-    if torch.is_grad_enabled() or not is_stacked(experts, stacked):
+    # under torch.compile the caller vouches for `stacked` (Engine.decode checks it outside the compiled code)
+    if torch.is_grad_enabled() or stacked is None or not (torch.compiler.is_compiling() or is_stacked(experts, stacked)):
         stacked = (torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in experts]),  # [e, 2I, D]
                    torch.stack([e.w2.weight for e in experts]))  # [e, D, I]
     w13, w2 = stacked
@@ -117,6 +119,21 @@ def window_attention(q, kv, ckv, cmask, sink, scale, window):
         pc = probs[..., 2 * w:-1].reshape(B, nb * w * H, -1)
         out = out + (pc @ ckv).view(B, nb * w, H, d)
     return out[:, :T]
+
+
+def compile_layers(backend="inductor"):
+    """`compile='layers'`: torch.compile a whole layer at a time, where the step is bound by launching small
+    kernels. Block.forward (the trainer's layers and MTP) and Engine._decode_layer (one decode step of a layer)
+    are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or learned router) share
+    one compiled graph, since a module's parameters are inputs of the graph, not constants. The engine's
+    prefill stays eager (one call per admitted batch). The first call of each kind, and each new shape (up to dynamic shapes
+    after the second), compiles for tens of seconds. (The CPU tests pass backend="aot_eager": the same graphs
+    without code generation.)"""
+    import engine
+    import model_dsv4 as m
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
+    m.Block.forward = torch.compile(m.Block.forward, backend=backend)
+    engine.Engine._decode_layer = torch.compile(engine.Engine._decode_layer, backend=backend)
 
 
 def compile_hot_paths():

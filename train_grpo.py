@@ -58,7 +58,7 @@ init_from = 'scratch'  # 'scratch' (model_config) or a checkpoint directory with
 model_config = 'config/models/tiny.json'
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
 kernels = 'auto'  # 'fast' | 'reference' (kernels.py: window attention by blocks, grouped GEMM experts) | 'auto': fast on CUDA
-compile = False  # torch.compile mHC's Sinkhorn, norms and RoPE (kernels.compile_hot_paths); GPU
+compile = 'off'  # 'hot': torch.compile mHC's Sinkhorn, norms, RoPE | 'layers': whole layers + decode steps (kernels.py)
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the toy task, else 'deepseek-v4'
 resume = False  # continue from the newest complete checkpoint in out_dir
 # parallel layout (tensor parallel is fixed at 1)
@@ -129,7 +129,8 @@ except ValueError as e:  # a bad key or type is a usage error: say it and exit 2
     sys.exit(2)
 for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto'), weight_sync=('disk', 'distributed'),
                     rollout_quant=('none', 'fp8', 'fp8_fp4'), lr_schedule=('constant', 'cosine'),
-                    loss_agg=('seq_mean_token_mean', 'token_mean'), kernels=('auto', 'fast', 'reference')).items():
+                    loss_agg=('seq_mean_token_mean', 'token_mean'), kernels=('auto', 'fast', 'reference'),
+                    compile=('off', 'hot', 'layers')).items():
     if globals()[_k] not in _ok:  # a value the run would refuse later (or misread): a usage error now
         print(f"error: {_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}", file=sys.stderr)
         sys.exit(2)
@@ -169,8 +170,8 @@ model = parallel.build_stage(args, grid, dtype=ptype, pp_layers=split, init=mode
 if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
 model.set_kernels(kernels == 'fast' or (kernels == 'auto' and grid.device.type == 'cuda'))
-if compile:  # swaps model_dsv4's hot functions for compiled ones
-    __import__('kernels').compile_hot_paths()
+if compile != 'off':  # swaps model_dsv4's (and the engine's) functions for compiled ones
+    getattr(__import__('kernels'), f'compile_{"hot_paths" if compile == "hot" else "layers"}')()
 if trainable == 'auto':  # the toy task's recipe: a random body, see tasks.py
     trainable = 'io' if data == 'toy' and init_from == 'scratch' else 'all'
 IO = ('embed.', 'head.', 'norm.', 'hc_head_')
