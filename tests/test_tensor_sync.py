@@ -1,5 +1,6 @@
-"""SGLang's /update_weights_from_tensor on the embedded server: the session rule, hostile pickles refused before
-anything in them runs, SGLang's documented CPU client."""
+"""The tensor transport (weight_sync.py 'tensor', SGLang's /update_weights_from_tensor): the same weights and logprobs
+as disk, FP8 serving, the session rule, hostile pickles refused before anything in them runs, SGLang's documented CPU
+client; on a GPU, CUDA IPC into a server on the same GPU. (PP2 x EP2 senders: test_weight_sync.py.)"""
 import base64
 import copy
 import io
@@ -11,11 +12,22 @@ import pytest
 import torch
 
 import server
+import weight_sync as wsync
+from conftest import start_servers, stop
 from model_dsv4 import Transformer
+from quant import e8m0_to_float, quant_format, quantize_tensor
 from rollout import RolloutClient
-from test_weight_sync import ARGS
+from test_weight_sync import ARGS, GRID, PROMPTS, ckpt, logprob_diff, spec_dequant, trained  # noqa: F401 (ckpt)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+GREEDY = {"temperature": 0, "max_new_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def servers(ckpt):
+    servers = start_servers(ckpt, n=2)
+    yield [u for _, u in servers]
+    stop(servers)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +45,47 @@ def call(url, path, body):
 def served(url, name):
     """A whole tensor as the server holds it (quantized: as sent; e8m0 scales as their values), in float64."""
     return torch.tensor(RolloutClient(url).get_weights_by_name(name, truncate_size=1 << 30)[url], dtype=torch.double)
+
+
+def as_sent(t):
+    return (e8m0_to_float(t) if t.dtype == torch.float8_e8m0fnu else t.float()).double().cpu()
+
+
+def test_tensor_equals_disk(servers, tmp_path):
+    """Server A synced through disk, server B through tensor buckets: bit-equal weights and greedy logprobs."""
+    (a, b), model = servers, trained(step_seed=6)
+    wsync.sync(model, GRID, RolloutClient(a), ARGS, tmp_path / "w", mode="disk", version="v")
+    stats = wsync.sync(model, GRID, RolloutClient(b), ARGS, tmp_path / "unused", mode="tensor", version="v",
+                       bucket_mb=0.25, verify=True)
+    sd = model.state_dict()  # every tensor sent, each once, in buckets of at most 256 kB
+    assert sorted(stats["names"]) == sorted(sd) and stats["bytes"] == sum(v.nbytes for v in sd.values())
+    assert stats["buckets"] > 2 and stats["max_bucket_bytes"] <= 1 << 18
+    for name, want in sd.items():
+        assert torch.equal(served(a, name), as_sent(want)) and torch.equal(served(b, name), as_sent(want)), name
+    out = {u: RolloutClient(u).generate(PROMPTS, 1, GREEDY, 0) for u in (a, b)}
+    assert [(s["output_ids"], s["logprobs"]) for (s,) in out[a]] == [(s["output_ids"], s["logprobs"]) for (s,) in out[b]]
+    assert logprob_diff(b, model, "v") <= 1e-5
+
+
+def test_fp8_serving_via_tensor(ckpt, tmp_path):
+    """The official FP8 format through tensor buckets (float8 CPU tensors: tensor_payload.BytesPickler); a
+    full-precision tensor for a quantized weight is refused, not cast."""
+    servers, model = start_servers(ckpt, quant="fp8"), trained(step_seed=7)
+    url, client = servers[0][1], RolloutClient(servers[0][1])
+    try:
+        with pytest.raises(wsync.SyncError, match="serves fp8: send quant.py's format"):
+            wsync.sync(model, GRID, client, ARGS, tmp_path, mode="tensor", quant="none")
+        wsync.sync(model, GRID, client, ARGS, tmp_path, mode="tensor", version="t-q", quant="fp8", bucket_mb=0.25,
+                   verify=True)
+        ref = copy.deepcopy(model)  # the trainer's weights through the spec's dequantisation
+        ref.load_state_dict({n: spec_dequant(*quantize_tensor(n, t, "fp8").values()) if quant_format(n, "fp8") else t
+                             for n, t in ref.state_dict().items()})
+        assert logprob_diff(url, ref, "t-q") <= 1e-5
+        for n, t in model.state_dict().items():  # what the server stores is quant.py's output, whole
+            for name, q in quantize_tensor(n, t, "fp8").items() if quant_format(n, "fp8") else ():
+                assert torch.equal(served(url, name), as_sent(q)), name
+    finally:
+        stop(servers)
 
 
 class Runs:
@@ -94,3 +147,21 @@ def test_sglang_documented_cpu_client(srv):
         assert status == 200 and out["success"] is True, (path, out)
     assert torch.equal(served(srv, "norm.weight"), t_bf16_cpu.double())
     assert RolloutClient(srv)._http(srv, "GET", "/model_info")[1]["weight_version"] == "step-1"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC: a GPU shared by trainer and server")
+@pytest.mark.parametrize("quant", ["none", "fp8"])
+def test_cuda_ipc_into_a_server_on_this_gpu(ckpt, quant, tmp_path):
+    servers, model = start_servers(ckpt, quant=quant, device="cuda"), trained(step_seed=8).cuda()
+    url = servers[0][1]
+    try:
+        stats = wsync.sync(model, GRID, RolloutClient(url), ARGS, tmp_path, mode="tensor", version="ipc",
+                           quant=quant, bucket_mb=0.25, verify=True)
+        assert stats["buckets"] > 2
+        for n, t in model.state_dict().items():  # bit-equal, whole: copied from our GPU memory, then freed by us
+            for name, q in quantize_tensor(n, t, quant).items():
+                assert torch.equal(served(url, name), as_sent(q)), name
+        (s,), = RolloutClient(url).generate(PROMPTS[:1], 1, GREEDY, 0)
+        assert s["weight_version"] == "ipc"
+    finally:
+        stop(servers)

@@ -1,5 +1,6 @@
 """Weight sync (weight_sync.py) into running embedded servers (subprocesses): logprobs after a step and a sync,
-PP2 x EP2 senders (tests/sync_run.py), FP8 / FP4 serving in the official format, a server killed mid-sync."""
+PP2 x EP2 senders of every transport (tests/sync_run.py), FP8 / FP4 serving in the official format, a server
+killed mid-sync. The tensor transport's own tests: test_tensor_sync.py."""
 import copy
 import glob
 import json
@@ -93,7 +94,7 @@ def test_pp2_ep2_send_every_tensor_once_and_servers_equal(servers, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     sent = [json.load(open(f)) for f in glob.glob(f"{tmp_path}/sent.rank*.json")]
     full = parallel.build_stage(ARGS, GRID, dtype=torch.float32, seed=7).state_dict()  # what the 4 ranks hold
-    for mode in ("disk", "distributed"):
+    for mode in ("disk", "tensor", "distributed"):
         assert Counter(n for s in sent for n in s[mode]) == Counter(list(full)), mode
     for name, want in full.items():  # both servers hold exactly the trainer's tensors
         got = RolloutClient(urls).get_weights_by_name(name, truncate_size=1 << 30)
