@@ -184,11 +184,12 @@ def test_server_killed_mid_sync(servers, ckpt, tmp_path, monkeypatch):
     assert client.stale == set() and logprob_diff(url_b, model, "k-3") <= 1e-5
 
 
-def test_train_grpo_syncs_distributed_into_fp8_server(tmp_path):
-    """The trainer's path: an fp8 embedded server, a verified distributed sync after each step (2 steps)."""
+@pytest.mark.parametrize("mode", ["distributed", "tensor"])
+def test_train_grpo_syncs_into_fp8_server(mode, tmp_path):
+    """The trainer's path: an fp8 embedded server, a verified sync after each step (2 steps)."""
     cmd = [sys.executable, "train_grpo.py", f"--out_dir={tmp_path}", *"--max_steps=2 --n_prompts=2 --n_samples=2 "
            "--max_new_tokens=4 --format_warmup_steps=0 --eval_interval=0 --checkpoint_interval=0 --dynamic_sampling"
-           "=False --weight_sync=distributed --rollout_quant=fp8 --weight_sync_verify=True --weight_sync_bucket_mb=1"
+           f"=False --weight_sync={mode} --rollout_quant=fp8 --weight_sync_verify=True --weight_sync_bucket_mb=1"
            .split()]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
