@@ -513,8 +513,8 @@ class Handler(BaseHTTPRequestHandler):
     def dispatch(self, method):
         app, path = self.server.app, urlsplit(self.path).path
         try:
-            # the body first: answering early and closing a socket that still holds unread bytes sends a
-            # reset, which can destroy the answer before the client reads it
+            # refused or not, the body is read first: answering early and closing a socket that still holds unread
+            # bytes sends a reset, which can destroy the answer before the client reads it
             refused = self.refused(app, path)
             raw = self.read_body(MAX_TENSOR_BODY if path == "/update_weights_from_tensor" and not refused else MAX_BODY)
             if refused:

@@ -153,7 +153,7 @@ def tp_sizes(grid, client, urls):
 
 
 # -----------------------------------------------------------------------------
-# the distributed transport
+# the distributed transport (its session and stage senders serve the tensor transport too)
 
 def make_groups(grid, client, urls, token, timeout):
     """One group per PP stage, made stage after stage: a server (SGLang's scheduler) joins one group at a time,
