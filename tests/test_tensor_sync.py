@@ -62,8 +62,10 @@ def test_tensor_equals_disk(servers, tmp_path):
     assert stats["buckets"] > 2 and stats["max_bucket_bytes"] <= 1 << 18
     for name, want in sd.items():
         assert torch.equal(served(a, name), as_sent(want)) and torch.equal(served(b, name), as_sent(want)), name
-    out = {u: RolloutClient(u).generate(PROMPTS, 1, GREEDY, 0) for u in (a, b)}
-    assert [(s["output_ids"], s["logprobs"]) for (s,) in out[a]] == [(s["output_ids"], s["logprobs"]) for (s,) in out[b]]
+    for p in PROMPTS:  # one at a time: the same batch shapes on both servers, so the same rounding
+        (sa,), = RolloutClient(a).generate([p], 1, GREEDY, 0)
+        (sb,), = RolloutClient(b).generate([p], 1, GREEDY, 0)
+        assert (sa["output_ids"], sa["logprobs"]) == (sb["output_ids"], sb["logprobs"])
     assert logprob_diff(b, model, "v") <= 1e-5
 
 
