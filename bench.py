@@ -3,11 +3,11 @@ Benchmarks, each a ratio against a peer measured in the same run (never absolute
 
     python bench.py                          # training fwd+bwd, tiny config, CPU, vs transformers
     python bench.py --what=decode            # embedded engine decode vs transformers' generate, batch 64
-    python bench.py --what=sync --model=config/models/bench_2b.json --dtype=bfloat16   # weight sync vs file write / memcpy
+    python bench.py --what=sync --model=config/models/bench_2b.json --dtype=bfloat16   # weight sync vs file write / copies
     python bench.py --model=config/models/bench_2b.json --seq=4096 --batch=1 --dtype=bfloat16   # on a GPU
 
 Both models get the same weights (ours saved, transformers loads them) and the same inputs. The sync benchmark's
-peers are a plain file write and a memcpy of the same bytes, in the same run.
+peers are a plain file write and a memcpy of the same bytes (on CUDA also a device-to-device copy), in the same run.
 """
 import argparse
 import contextlib
@@ -31,7 +31,7 @@ p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 p.add_argument("--steps", type=int, default=5)
 p.add_argument("--new_tokens", type=int, default=64, help="decode: tokens generated per sequence")
 p.add_argument("--warmup", type=int, default=2)
-p.add_argument("--bucket_mb", type=float, default=512, help="sync: bucket size of the distributed transport")
+p.add_argument("--bucket_mb", type=float, default=512, help="sync: bucket size (distributed, tensor transports)")
 p.add_argument("--tmp", default=None, help="sync: directory for the disk transport (default: the system's temp dir)")
 p.add_argument("--kernels", default="auto", choices=["auto", "fast", "reference"],
                help="kernels.py's fast paths (auto: on a GPU) or the plain reference")
@@ -197,7 +197,10 @@ def bench_mismatch(ours, args, device, versions):
 
 def bench_sync(args, dtype, device, versions):
     """Weight sync into a running embedded server (a subprocess), per transport and serving format: seconds for
-    the whole sync call, as the trainer pays it. The floor for the same bytes: one file write, one memcpy."""
+    the whole sync call, as the trainer pays it. The server shares the trainer's device (on CUDA its GPU, which the
+    tensor transport's IPC handles need); the distributed rows want a GPU of their own for it (NCCL refuses two
+    ranks on one GPU), so one GPU skips them. The floor for the same bytes: one file write, one memcpy (on CUDA
+    host to device), and on CUDA one device-to-device copy."""
     import subprocess, sys
     import parallel, weight_sync as wsync
     from quant import quantize_tensor
@@ -206,22 +209,29 @@ def bench_sync(args, dtype, device, versions):
         model = Transformer(copy.deepcopy(args), dtype=dtype)
     model, grid, rows = model.to_empty(device=device), parallel.init_distributed(), []
     model.init_weights(seed=0)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    plans = [(None, ["disk", "distributed", "distributed", "tensor"])]  # (the server's GPU, None: ours; transports)
+    if gpus:
+        plans = [(None, ["disk", "tensor"])] + ([(gpus - 1, ["distributed", "distributed"])] if gpus > 1 else [])
+    if gpus == 1:
+        print("distributed rows skipped: NCCL refuses two ranks on one GPU (they need the server on a second GPU)")
     with tempfile.TemporaryDirectory(dir=cli.tmp) as d:
         for quant in ("none", "fp8"):
             wsync.save_weights(model, grid, f"{d}/start", args, quant)  # the server starts from the trainer's weights
-            gpus = torch.cuda.device_count() if device.type == "cuda" else 0  # NCCL: the server on a GPU of its own
-            assert gpus != 1, "the distributed transport over NCCL needs the server on another GPU: run with 2 GPUs"
-            proc = subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", f"{d}/start", "--port", "0",
-                                     "--dtype", cli.dtype, "--device", device.type, "--quant", quant, "--max-len", "256"],
-                                    stdout=subprocess.PIPE, text=True,
-                                    env=dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpus - 1)} if gpus else {})))
-            client = RolloutClient(next(l for l in proc.stdout if "ready at" in l).split("ready at ")[1].split()[0])
-            for i, mode in enumerate(["disk", "distributed", "distributed"]):  # the first distributed makes the groups
-                st = wsync.sync(model, grid, client, args, f"{d}/sync", mode=mode, version=str(i), quant=quant,
-                                bucket_mb=cli.bucket_mb, timeout=1800)
-                rows.append((mode + (" (+ groups)" if i == 1 else ""), quant, st["bytes"], st["seconds"]))
-            proc.terminate()
-            proc.wait()
+            for gpu, modes in plans:
+                env = dict(os.environ, **({} if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu)}))
+                proc = subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", f"{d}/start", "--port", "0",
+                                         "--dtype", cli.dtype, "--device", device.type, "--quant", quant,
+                                         "--max-len", "256"], stdout=subprocess.PIPE, text=True, env=env)
+                ready = next(line for line in proc.stdout if "ready at" in line)
+                client = RolloutClient(ready.split("ready at ")[1].split()[0])
+                for i, mode in enumerate(modes):  # the first distributed sync makes the groups
+                    st = wsync.sync(model, grid, client, args, f"{d}/sync", mode=mode, version=str(i), quant=quant,
+                                    bucket_mb=cli.bucket_mb, timeout=1800)
+                    first = mode == "distributed" and modes.index(mode) == i
+                    rows.append((mode + (" (+ groups)" if first else ""), quant, st["bytes"], st["seconds"]))
+                proc.terminate()
+                proc.wait()
         sync(device)
         t0 = time.perf_counter()  # what the fp8 rows pay before any byte moves
         nq = sum(q.nbytes for k, v in model.state_dict().items() for q in quantize_tensor(k, v, "fp8").values())
@@ -236,12 +246,16 @@ def bench_sync(args, dtype, device, versions):
                 f.write(memoryview(chunk.numpy())[:n - i])
         rows.append(("file write", "-", n, time.perf_counter() - t0))
         dst = torch.zeros_like(chunk, device=device)  # touched: no page faults in the timing
-        sync(device)
-        t0 = time.perf_counter()
-        for i in range(0, n, len(chunk)):
-            dst[:n - i].copy_(chunk[:n - i])
-        sync(device)
-        rows.append(("memcpy", "-", n, time.perf_counter() - t0))
+        peers = [("memcpy" if gpus == 0 else "host to device copy", chunk)]
+        peers += [("device copy", torch.ones_like(dst))] if gpus else []  # what the tensor transport's server does
+        for what, src in peers:
+            dst.copy_(src)  # warm-up
+            sync(device)
+            t0 = time.perf_counter()
+            for i in range(0, n, len(chunk)):
+                dst[:n - i].copy_(src[:n - i])
+            sync(device)
+            rows.append((what, "-", n, time.perf_counter() - t0))
     print(f"weight sync, {cli.model}{f' (first {cli.layers} layers)' if cli.layers else ''} "
           f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters), "
           f"{cli.dtype}, trainer and one embedded server on this machine, buckets of {cli.bucket_mb:g} MB, {versions}")

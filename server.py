@@ -12,8 +12,12 @@ weights dequantised from them: the derived state, rebuilt by /end_weight_update 
 Senders must quantize (a full-precision tensor sent for a quantized weight is refused, not cast); a
 full-precision checkpoint at startup is quantized once here, as SGLang's online --quantization fp8 does.
 
+/update_weights_from_tensor (colocated senders): entry 0 of serialized_named_tensors (we are TP rank 0 of 1; SGLang's
+clients repeat one payload per TP rank), load_format null or "direct"; CUDA IPC handles or, for CPU tensors, plain
+pickle, read by tensor_payload.py's allow-list unpickler, never pickle.loads.
+
 Not implemented: text prompts and stop strings (no tokenizer), streaming, input/top logprobs, penalties and
-constrained decoding (400 with a message), /update_weights_from_tensor (404).
+constrained decoding (400 with a message), load_format "flattened_bucket" (400).
 """
 import hmac
 import ipaddress
@@ -37,8 +41,10 @@ from engine import Engine, SamplingParams
 from model_dsv4 import Attention, canonical_name, checkpoint_index, from_pretrained, load_state_dict
 from quant import as_bytes, dequantize, e8m0_to_float, quant_format, quantize_tensor, quantized_meta, scale_name
 from rollout import init_weight_update_group
+from tensor_payload import read as read_payload
 
 MAX_BODY = 64 << 20  # bytes; a batch of 64 prompts x 4096 tokens is ~2 MB of JSON
+MAX_TENSOR_BODY = 4 << 30  # /update_weights_from_tensor from a client we would answer: CPU tensors travel as base64
 MAX_ITEMS = 4096  # sequences one /generate may ask for (prompts x n): more is a 413, not an out-of-memory
 # sampling_params keys SGLang knows (api_types._FIELDS_SamplingParams): any other key is a 400, as there
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex",
@@ -62,12 +68,14 @@ ENDPOINTS = {"generate": ("POST", "PUT"), "health": GET, "health_generate": GET,
              "abort_request": POST, "begin_weight_update": POST, "end_weight_update": POST,
              "update_weights_from_disk": POST, "init_weights_update_group": POST,
              "update_weights_from_distributed": POST, "destroy_weights_update_group": POST,
+             "update_weights_from_tensor": POST,
              "get_weights_by_name": ("GET", "POST"), "update_weight_version": POST}
 # what changes the served weights or stops generation: a server that listens beyond localhost answers these only
 # with --api-key set (403 otherwise), so nobody on the network can swap the model
 GUARDED = {"/pause_generation", "/continue_generation", "/abort_request", "/flush_cache", "/begin_weight_update",
            "/end_weight_update", "/update_weights_from_disk", "/init_weights_update_group",
-           "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weight_version"}
+           "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weight_version",
+           "/update_weights_from_tensor"}
 
 
 class BadRequest(Exception):
@@ -343,7 +351,9 @@ class Server:
             self.engine.pause()
             try:
                 self.engine.load_weights({k: v for k, v in named.items() if k not in self.qformats})
-                self.qstate.update({k: v.to(self.engine.device) for k, v in named.items() if k in self.qformats})
+                # copies of our own: a tensor sent by CUDA IPC is the sender's memory
+                self.qstate.update({k: v.to(self.engine.device, copy=True) for k, v in named.items()
+                                    if k in self.qformats})
                 self.dirty.update(k for k in named if k in self.qformats)
                 if rebuild:
                     self.rebuild()
@@ -403,9 +413,23 @@ class Server:
             fail(f"init_weights_update_group failed: {type(e).__name__}: {e}")
         return {"success": True, "message": f"joined group {name!r} as rank {offset} of {world}"}
 
-    def update_weights_from_distributed(self, body, handler):
+    def need_session(self, what):  # as SGLang 0.5.23: tensor and distributed updates only inside a session
         if not self.session:
-            fail("update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
+            fail(f"{what} must run between begin_weight_update() and end_weight_update()")
+
+    def update_from(self, what, named, body):
+        """The end of a session update: names checked (on a failure the old weights stay), abort if asked, load."""
+        try:
+            named = self.checked(named, every=False)
+        except ValueError as e:
+            fail(f"{what}: {e}; the old weights are still in place")
+        if body.get("abort_all_requests", False):
+            self.engine.abort_all()
+        self.load(named, body.get("weight_version"), body.get("flush_cache", True))
+        return {"success": True, "message": f"updated {len(named)} tensors"}
+
+    def update_weights_from_distributed(self, body, handler):
+        self.need_session("update_weights_from_distributed")
         name = group_name(body)
         check(self.groups.get(name) is not None, f"no weight update group {name!r}: call init_weights_update_group")
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
@@ -427,14 +451,28 @@ class Server:
             with self.admin:
                 self.groups.pop(name, None)
             fail(f"broadcast in group {name!r} failed: {type(e).__name__}: {e}")
-        try:  # checked only now: the broadcasts had to be received either way, or the trainer would hang
-            named = self.checked(received, every=False)
+        # checked only now: the broadcasts had to be received either way, or the trainer would hang
+        return self.update_from("update_weights_from_distributed", received, body)
+
+    # ------------------------------------------------------------------ colocated weight sync (§2.1)
+    def update_weights_from_tensor(self, body, handler):
+        """CUDA IPC tensors are the sender's memory, which it reuses once we answer: load copies them into our
+        parameters (and qstate), and we wait for those copies before answering."""
+        self.need_session("update_weights_from_tensor")
+        entries, fmt = body.get("serialized_named_tensors"), body.get("load_format")
+        check(isinstance(entries, list) and entries and all(isinstance(e, str) for e in entries),
+              "serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
+        check(fmt in (None, "direct"), f"load_format must be null or 'direct' (one tensor per name), got {fmt!r}: "
+              f"'flattened_bucket' and custom loaders are not implemented")
+        try:
+            named = read_payload(entries[0])  # TP rank 0's entry: the only rank we have
         except ValueError as e:
-            fail(f"update_weights_from_distributed: {e}; the old weights are still in place")
-        if body.get("abort_all_requests", False):
-            self.engine.abort_all()
-        self.load(named, body.get("weight_version"), body.get("flush_cache", True))
-        return {"success": True, "message": f"updated {len(named)} tensors"}
+            fail(f"update_weights_from_tensor: {e}")
+        try:
+            return self.update_from("update_weights_from_tensor", named, body)
+        finally:
+            if self.engine.device.type == "cuda":
+                torch.cuda.synchronize(self.engine.device)
 
     def destroy_weights_update_group(self, body, handler):
         name = group_name(body)
@@ -475,17 +513,12 @@ class Handler(BaseHTTPRequestHandler):
     def dispatch(self, method):
         app, path = self.server.app, urlsplit(self.path).path
         try:
-            # the body first: answering early and closing a socket that still holds unread bytes sends a
-            # reset, which can destroy the answer before the client reads it
-            raw = self.read_body()
-            # as SGLang: health checks are open (probes need no secret), everything else needs the key
-            auth = self.headers.get("Authorization", "")
-            if app.api_key and not path.startswith("/health") and not (
-                    auth[:7].lower() == "bearer " and hmac.compare_digest(auth[7:], app.api_key)):
-                raise BadRequest("Unauthorized", 401, {"error": "Unauthorized"})
-            if path in GUARDED and not app.api_key and not app.local:
-                raise BadRequest(f"{path} is refused: this server listens on {self.server.server_address[0]}, "
-                                 f"beyond localhost, without --api-key", 403)
+            # refused or not, the body is read first: answering early and closing a socket that still holds unread
+            # bytes sends a reset, which can destroy the answer before the client reads it
+            refused = self.refused(app, path)
+            raw = self.read_body(MAX_TENSOR_BODY if path == "/update_weights_from_tensor" and not refused else MAX_BODY)
+            if refused:
+                raise refused
             if path not in app.routes:
                 raise BadRequest(f"no endpoint {path}", 404)
             methods, endpoint = app.routes[path]
@@ -502,7 +535,18 @@ class Handler(BaseHTTPRequestHandler):
         if status != 499:
             self.reply(status, payload)
 
-    def read_body(self):
+    def refused(self, app, path):
+        """The 401 / 403 this request gets, or None. As SGLang: health checks are open (probes need no secret),
+        everything else needs the key; without one, what changes weights only from localhost."""
+        auth = self.headers.get("Authorization", "")
+        if app.api_key and not path.startswith("/health") and not (
+                auth[:7].lower() == "bearer " and hmac.compare_digest(auth[7:], app.api_key)):
+            return BadRequest("Unauthorized", 401, {"error": "Unauthorized"})
+        if path in GUARDED and not app.api_key and not app.local:
+            return BadRequest(f"{path} is refused: this server listens on {self.server.server_address[0]}, "
+                              f"beyond localhost, without --api-key", 403)
+
+    def read_body(self, limit):
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             raise BadRequest("chunked request bodies are not supported: send Content-Length", 411)
         try:
@@ -510,8 +554,8 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             raise BadRequest(f"bad Content-Length {self.headers.get('Content-Length')!r}")
         check(n >= 0, f"bad Content-Length {n}")
-        if n > MAX_BODY:  # answered unread, so a big body can cost no memory
-            raise BadRequest(f"request body of {n} bytes is over the {MAX_BODY}-byte limit", 413)
+        if n > limit:  # answered unread, so a big body can cost no memory
+            raise BadRequest(f"request body of {n} bytes is over the {limit}-byte limit", 413)
         raw = self.rfile.read(n)
         check(len(raw) == n, "request body cut short")
         return raw

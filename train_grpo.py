@@ -75,8 +75,8 @@ max_consecutive_skips = 3  # steps skipped in a row (non-finite loss or gradient
 rollout_url = ''  # '' = start the embedded server; else comma-separated SGLang URLs
 rollout_api_key = ''
 rollout_timeout = 3600.0  # seconds one /generate request may take before it is retried elsewhere
-weight_sync = 'disk'  # 'disk' | 'distributed' (weight_sync.py; 'tensor' is not implemented)
-weight_sync_bucket_mb = 512  # distributed: bytes per broadcast bucket, the most one rank gathers at a time
+weight_sync = 'disk'  # 'disk' | 'distributed' | 'tensor' (servers on this machine: CUDA IPC; weight_sync.py)
+weight_sync_bucket_mb = 512  # distributed, tensor: bytes per bucket, the most one rank gathers at a time
 weight_sync_verify = False  # after each sync, check every tensor's first rows on every server against what was sent
 rollout_quant = 'none'  # 'none' | 'fp8' | 'fp8_fp4': what the rollout engine serves
 rollout_max_batch = 64
@@ -127,7 +127,7 @@ try:
 except ValueError as e:  # a bad key or type is a usage error: say it and exit 2
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto'), weight_sync=('disk', 'distributed'),
+for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto'), weight_sync=('disk', 'distributed', 'tensor'),
                     rollout_quant=('none', 'fp8', 'fp8_fp4'), lr_schedule=('constant', 'cosine'),
                     loss_agg=('seq_mean_token_mean', 'token_mean'), kernels=('auto', 'fast', 'reference'),
                     compile=('off', 'hot', 'layers')).items():

@@ -14,12 +14,16 @@ Transports (config key weight_sync):
                flush -> begin -> per bucket POST /update_weights_from_distributed + broadcast -> end (quantized
                servers rebuild their compute weights) -> continue. Stages send one after the other; a stage's EP
                ranks hand their experts to its sender a bucket at a time (at most bucket_mb more on any rank).
-  tensor       not implemented (CUDA-IPC handles, for engines colocated with the trainer).
+  tensor       for servers on the trainer's machine (on CUDA: its GPU). The session of `distributed`, but each bucket
+               is one POST /update_weights_from_tensor (tensor_payload.py): CUDA IPC handles of the sender's tensors,
+               which stay alive until every server has answered (it has copied them by then), or on the CPU the
+               bytes. The same senders, stage order and EP hand-over as `distributed`; no group.
 
 Failure: a server that dies or times out raises SyncError on every trainer rank, naming it. The trainer's weights
 are only read. The servers a sync did not complete on, and those that were down, go into client.stale (no rollouts)
 until a later sync reaches them in full; every sync goes to every server that is up.
 """
+import ipaddress
 import json
 import os
 import socket
@@ -27,6 +31,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -34,6 +39,7 @@ import torch.distributed as dist
 from parallel import named
 from quant import as_bytes, e8m0_to_float, quantize_tensor, quantized_meta
 from rollout import RETRYABLE, error_message, init_weight_update_group
+from tensor_payload import dumps as payload
 
 GROUP = {}  # this rank's live weight-update groups: "urls", "names" (one per stage), "pg" (stage senders only)
 
@@ -134,21 +140,26 @@ def agree(grid, err, src=None):
     return box[0] if src is not None else next((e for e in box if e), None)
 
 
-# -----------------------------------------------------------------------------
-# the distributed transport
-
-def make_groups(grid, client, urls, token, timeout):
-    """One group per PP stage, made stage after stage: a server (SGLang's scheduler) joins one group at a time,
-    so servers taking the stages' groups in different orders would wait on each other for ever."""
-    teardown(grid, client, GROUP.get("urls", ()))
-    tps = [1] * len(urls)  # ranks per server: SGLang's tp_size; the embedded server has no /server_info (404)
+def tp_sizes(grid, client, urls):
+    """Ranks per server, SGLang's tp_size (the embedded server has no /server_info: 1), as rank 0 asked them."""
+    tps = [1] * len(urls)
     for i, url in enumerate(urls if grid.rank == 0 else []):
         try:
             status, out = client._http(url, "GET", "/server_info", timeout=30)
             tps[i] = out.get("tp_size", 1) if status == 200 and isinstance(out, dict) else 1
         except RETRYABLE:
             pass
-    tps, names = agree(grid, tps, src=0), [f"nano-pp{p}-{token}" for p in range(grid.pp_size)]
+    return agree(grid, tps, src=0)
+
+
+# -----------------------------------------------------------------------------
+# the distributed transport (its session and stage senders serve the tensor transport too)
+
+def make_groups(grid, client, urls, token, timeout):
+    """One group per PP stage, made stage after stage: a server (SGLang's scheduler) joins one group at a time,
+    so servers taking the stages' groups in different orders would wait on each other for ever."""
+    teardown(grid, client, GROUP.get("urls", ()))
+    tps, names = tp_sizes(grid, client, urls), [f"nano-pp{p}-{token}" for p in range(grid.pp_size)]
     for p, name in enumerate(names):
         err = None
         if grid.rank == p * grid.dp_size:  # the sender of stage p: its dp_rank 0 (parallel.py's grid)
@@ -200,10 +211,10 @@ def stage_buckets(model, grid, quant, limit):
     return out
 
 
-def send_stage(model, grid, client, urls, name, quant, version, limit, timeout, stats, samples):
-    """The stage's buckets: the EP ranks hand their experts to the sender, which quantizes, POSTs the bucket's names
-    to every server and broadcasts the tensors in that order. After an error the sender still takes part in the
-    gathers (the other EP ranks are mid-loop) but sends nothing more. -> error or None."""
+def send_stage(model, grid, quant, limit, push, stats, samples):
+    """The stage's buckets: the EP ranks hand their experts to the sender, which quantizes them and pushes each
+    bucket to the servers (push(tensors, what) -> error or None: the transport). After an error the sender still
+    takes part in the gathers (the other EP ranks are mid-loop) but sends nothing more. -> error or None."""
     sd, err, is_sender = model.state_dict(), None, grid.ep_rank == 0
     ep_ranks = dist.get_process_group_ranks(grid.ep_group) if grid.ep_size > 1 else [grid.rank]
     buckets = stage_buckets(model, grid, quant, limit)
@@ -222,6 +233,19 @@ def send_stage(model, grid, client, urls, name, quant, version, limit, timeout, 
             continue
         sent = {n: q.contiguous() for k, t in tensors.items() for n, q in quantize_tensor(k, t, quant).items()}
         del tensors
+        if err := push(sent, what):
+            continue
+        nbytes = sum(v.nbytes for v in sent.values())
+        stats.update(names=stats["names"] + list(sent), bytes=stats["bytes"] + nbytes, buckets=stats["buckets"] + 1,
+                     max_bucket_bytes=max(stats["max_bucket_bytes"], nbytes))
+        samples.update({n: v[:2].clone() for n, v in sent.items()})  # for verify: the first rows, as sent
+    return err
+
+
+def broadcast(client, urls, name, version, timeout):
+    """The distributed transport's push: the bucket's names, dtypes and shapes POSTed to every server, then the
+    tensors broadcast in that order."""
+    def push(sent, what):
         answers = post(client, urls, "/update_weights_from_distributed", {
             "names": list(sent), "dtypes": [str(v.dtype)[6:] for v in sent.values()], "group_name": name,
             "shapes": [list(v.shape) for v in sent.values()], "flush_cache": False, "weight_version": version}, timeout)
@@ -229,37 +253,69 @@ def send_stage(model, grid, client, urls, name, quant, version, limit, timeout, 
             for v in sent.values():
                 dist.broadcast(as_bytes(v), src=0, group=GROUP["pg"])  # float8 travels as bytes (gloo has none)
         except Exception as e:  # a dead peer: the servers still up wait on us for ever; do not wait for them
-            err = failed({**errors(answers, wait=2), "broadcast": f"{type(e).__name__}: {e}"}, what)
-            continue
-        err, nbytes = failed(errors(answers), what), sum(v.nbytes for v in sent.values())
-        stats.update(names=stats["names"] + list(sent), bytes=stats["bytes"] + nbytes, buckets=stats["buckets"] + 1,
-                     max_bucket_bytes=max(stats["max_bucket_bytes"], nbytes))
-        samples.update({n: v[:2].clone() for n, v in sent.items()})  # for verify: the first rows, as sent
-    return err
+            return failed({**errors(answers, wait=2), "broadcast": f"{type(e).__name__}: {e}"}, what)
+        return failed(errors(answers), what)
+    return push
 
 
-def sync_distributed(model, grid, client, urls, token, quant, version, limit, timeout, stats, samples):
-    """The session of the module docstring. The servers' sessions are closed and generation resumed whatever
-    happens; after a failure the groups are dropped (the next sync makes new ones) and SyncError raised."""
-    if GROUP.get("urls") != tuple(urls):  # the first sync, or other servers: new groups
-        make_groups(grid, client, urls, token, timeout)
+def session(grid, client, urls, timeout, send):
+    """The session of the module docstring: pause, flush, begin; send(p) -> error or None on stage p's sender,
+    stage after stage (every server receives in the same order); then end and continue wherever still up, whatever
+    happened. Collective. -> the first error, on every rank."""
     err = None
     for path, body in [("/pause_generation", {"mode": "retract"}), ("/flush_cache", {}), ("/begin_weight_update", {})]:
         if grid.rank == 0 and err is None:
             err = failed(errors(post(client, urls, path, body, timeout)), f"{path} failed on:")
     err = agree(grid, err)
-    for p in range(grid.pp_size):  # stage after stage, so every server receives in the same order
+    for p in range(grid.pp_size):
         if err is None and grid.pp_rank == p and grid.edp_rank == 0:
-            err = send_stage(model, grid, client, urls, GROUP["names"][p], quant, version, limit, timeout, stats,
-                             samples)
+            err = send(p)
         err = agree(grid, err)
-    if grid.rank == 0:  # close the session (quantized servers rebuild here) and resume, wherever still up
+    if grid.rank == 0:  # close the session (quantized servers rebuild here) and resume
         ended = failed(errors(post(client, urls, "/end_weight_update", {}, timeout)), "/end_weight_update failed on:")
         errors(post(client, urls, "/continue_generation", {}, timeout))
         err = err or ended
-    if err := agree(grid, err):
+    return agree(grid, err)
+
+
+def sync_distributed(model, grid, client, urls, token, quant, version, limit, timeout, stats, samples):
+    """After a failure the groups are dropped (the next sync makes new ones) and SyncError raised."""
+    if GROUP.get("urls") != tuple(urls):  # the first sync, or other servers: new groups
+        make_groups(grid, client, urls, token, timeout)
+    if err := session(grid, client, urls, timeout, lambda p: send_stage(
+            model, grid, quant, limit, broadcast(client, urls, GROUP["names"][p], version, timeout), stats, samples)):
         teardown(grid, client, urls, min(timeout, 30))
         raise SyncError(*err)
+
+
+# -----------------------------------------------------------------------------
+# the tensor transport
+
+def on_this_machine(url):
+    """Whether url's host is this machine: a loopback address, or one of this host's own."""
+    try:
+        addr = socket.gethostbyname(urlsplit(url).hostname)
+        return ipaddress.ip_address(addr).is_loopback or addr in socket.gethostbyname_ex(socket.gethostname())[2]
+    except (OSError, ValueError):
+        return False
+
+
+def sync_tensor(model, grid, client, urls, quant, version, limit, timeout, stats, samples):
+    """-> error or None. CUDA IPC handles open only on this machine: a far server is a config error (SGLang's
+    scheduler would die on the handles)."""
+    if grid.device.type == "cuda":
+        far = agree(grid, [u for u in urls if not on_this_machine(u)] if grid.dp_rank == 0 else None)
+        if far:
+            raise ValueError(f"weight_sync='tensor' sends CUDA IPC handles, which only a server on the sender's "
+                             f"machine can open: {far} are not on it (use weight_sync='distributed')")
+    tps = tp_sizes(grid, client, urls)
+
+    def push(sent, what):  # one payload for every TP rank of a server, as SGLang's client sends it
+        entry = payload(sent)
+        return failed(errors(post(client, urls, "/update_weights_from_tensor", {
+            u: {"serialized_named_tensors": [entry] * tp, "flush_cache": False, "weight_version": version}
+            for u, tp in zip(urls, tps)}, timeout)), what)
+    return session(grid, client, urls, timeout, lambda p: send_stage(model, grid, quant, limit, push, stats, samples))
 
 
 def check_samples(client, urls, samples, timeout):
@@ -286,8 +342,8 @@ def sync(model, grid, client, args, path, mode="disk", version="1", quant="none"
     """Push the trainer's weights to every rollout server that is up; they stamp `version` on what they generate.
     Collective over the trainer's world. -> this rank's stats (names and bytes it sent, buckets, seconds). Raises
     SyncError on every rank, naming the servers that failed (they join client.stale; see the module docstring)."""
-    if mode not in ("disk", "distributed"):
-        raise ValueError(f"weight_sync '{mode}' is not available (have: disk, distributed)")
+    if mode not in ("disk", "distributed", "tensor"):
+        raise ValueError(f"weight_sync '{mode}' is not available (have: disk, distributed, tensor)")
     t0, stats, samples = time.time(), {"mode": mode, "names": [], "bytes": 0, "buckets": 0, "max_bucket_bytes": 0}, {}
     up, token = agree(grid, ([u for u, ok in client.health().items() if ok] if grid.rank == 0 else None,
                              uuid.uuid4().hex[:8]), src=0)
@@ -302,9 +358,12 @@ def sync(model, grid, client, args, path, mode="disk", version="1", quant="none"
             if grid.rank == 0:
                 err = failed(errors(post(client, up, "/update_weights_from_disk", {"model_path": os.path.abspath(path),
                              "weight_version": version}, timeout)), "update_weights_from_disk failed on:")
-        else:
+        elif mode == "distributed":
             sync_distributed(model, grid, client, up, token, quant, version, int(bucket_mb * (1 << 20)), timeout,
                              stats, samples)
+        else:
+            err = sync_tensor(model, grid, client, up, quant, version, int(bucket_mb * (1 << 20)), timeout, stats,
+                              samples)
         err = agree(grid, err)  # every server has the weights now (or the sync failed), so verify may look
         if verify and not err:
             err = agree(grid, failed(check_samples(client, up, samples, timeout), "verify failed on:"))

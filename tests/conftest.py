@@ -64,10 +64,10 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
-def start_servers(ckpt, n=1, quant="none", ports=None):
-    """n embedded fp32 CPU servers of a checkpoint (subprocesses, started together) -> [[process, url]]."""
+def start_servers(ckpt, n=1, quant="none", ports=None, device="cpu"):
+    """n embedded fp32 servers of a checkpoint (subprocesses, started together) -> [[process, url]]."""
     procs = [subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", ckpt, "--port", str(port),
-                               "--dtype", "float32", "--device", "cpu", "--max-len", "128", "--quant", quant],
+                               "--dtype", "float32", "--device", device, "--max-len", "128", "--quant", quant],
                               cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."), stdout=subprocess.PIPE,
                               text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
              for port in ports or [0] * n]

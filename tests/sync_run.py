@@ -1,4 +1,4 @@
-"""A trainer under a parallel layout that syncs its weights to running servers, both transports, and saves what
+"""A trainer under a parallel layout that syncs its weights to running servers, every transport, and saves what
 each rank sent. Launched by tests/test_weight_sync.py on 4 gloo ranks:
     torchrun --standalone --nproc_per_node=4 tests/sync_run.py OUT_DIR PP EP URL[,URL...]"""
 import json
@@ -20,7 +20,7 @@ if __name__ == "__main__":
     model = parallel.build_stage(ModelArgs(**ARGS), grid, dtype=torch.float32, seed=7)
     client = RolloutClient(urls)
     sent = {}
-    for mode in ("disk", "distributed"):  # the distributed sync last: its weights are the ones the test reads
+    for mode in ("disk", "tensor", "distributed"):  # distributed last: its weights are the ones the test reads
         stats = wsync.sync(model, grid, client, model.args, os.path.join(out, "weights"), mode=mode, version=f"{mode}-7",
                            bucket_mb=0.25, verify=True, timeout=60)
         sent[mode] = stats["names"]

@@ -1,5 +1,6 @@
 """Weight sync (weight_sync.py) into running embedded servers (subprocesses): logprobs after a step and a sync,
-PP2 x EP2 senders (tests/sync_run.py), FP8 / FP4 serving in the official format, a server killed mid-sync."""
+PP2 x EP2 senders of every transport (tests/sync_run.py), FP8 / FP4 serving in the official format, a server
+killed mid-sync. The tensor transport's own tests: test_tensor_sync.py."""
 import copy
 import glob
 import json
@@ -93,7 +94,7 @@ def test_pp2_ep2_send_every_tensor_once_and_servers_equal(servers, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     sent = [json.load(open(f)) for f in glob.glob(f"{tmp_path}/sent.rank*.json")]
     full = parallel.build_stage(ARGS, GRID, dtype=torch.float32, seed=7).state_dict()  # what the 4 ranks hold
-    for mode in ("disk", "distributed"):
+    for mode in ("disk", "tensor", "distributed"):
         assert Counter(n for s in sent for n in s[mode]) == Counter(list(full)), mode
     for name, want in full.items():  # both servers hold exactly the trainer's tensors
         got = RolloutClient(urls).get_weights_by_name(name, truncate_size=1 << 30)
@@ -183,11 +184,12 @@ def test_server_killed_mid_sync(servers, ckpt, tmp_path, monkeypatch):
     assert client.stale == set() and logprob_diff(url_b, model, "k-3") <= 1e-5
 
 
-def test_train_grpo_syncs_distributed_into_fp8_server(tmp_path):
-    """The trainer's path: an fp8 embedded server, a verified distributed sync after each step (2 steps)."""
+@pytest.mark.parametrize("mode", ["distributed", "tensor"])
+def test_train_grpo_syncs_into_fp8_server(mode, tmp_path):
+    """The trainer's path: an fp8 embedded server, a verified sync after each step (2 steps)."""
     cmd = [sys.executable, "train_grpo.py", f"--out_dir={tmp_path}", *"--max_steps=2 --n_prompts=2 --n_samples=2 "
            "--max_new_tokens=4 --format_warmup_steps=0 --eval_interval=0 --checkpoint_interval=0 --dynamic_sampling"
-           "=False --weight_sync=distributed --rollout_quant=fp8 --weight_sync_verify=True --weight_sync_bucket_mb=1"
+           f"=False --weight_sync={mode} --rollout_quant=fp8 --weight_sync_verify=True --weight_sync_bucket_mb=1"
            .split()]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
