@@ -176,23 +176,17 @@ def bench_mismatch(ours, args, device, versions):
     sp = [SamplingParams(temperature=1.0, max_new_tokens=cli.new_tokens, ignore_eos=True, seed=i) for i in range(cli.batch)]
     print(f"trainer vs engine logprobs, {cli.model}, {cli.batch} prompts of 4-{cli.seq} tokens, {cli.new_tokens} "
           f"sampled tokens each (temperature 1), {cli.dtype}, kernels {cli.kernels}, {versions}")
-    mm = torch.backends.cuda.matmul
-    # on a GPU, also with cuBLAS's bf16 split-K reductions kept in fp32 (torch's default lets them round to bf16)
-    for reduced in ((True, False) if device.type == "cuda" else (True,)):
-        mm.allow_bf16_reduced_precision_reduction = reduced
-        reqs = Engine(ours, max_batch=cli.batch, max_len=cli.seq + cli.new_tokens).generate(prompts, sp)
-        diffs = []
-        with torch.no_grad():
-            for r in reqs:
-                ids = torch.tensor(r.input_ids + r.output_ids, device=device)[None]
-                lp = ours(ids)[0, len(r.input_ids) - 1:-1].log_softmax(-1).gather(-1, ids[0, len(r.input_ids):, None])
-                diffs.append((lp[:, 0].cpu() - torch.tensor(r.output_logprobs)).abs())
-        d = torch.stack(diffs)  # [prompts, new tokens]
-        print(f"  {'' if device.type != 'cuda' else 'split-K in bf16 allowed: ' if reduced else 'split-K in fp32:         '}"
-              f"mean |Δ logprob| {d.mean():.4f}   p99 {d.flatten().quantile(0.99):.4f}   max {d.max():.4f}   "
-              f"first token {d[:, 0].mean():.4f}   rest {d[:, 1:].mean():.4f}   "
-              f"(mean sampled logprob {sum(sum(r.output_logprobs) for r in reqs) / d.numel():.2f})")
-    mm.allow_bf16_reduced_precision_reduction = True
+    reqs = Engine(ours, max_batch=cli.batch, max_len=cli.seq + cli.new_tokens).generate(prompts, sp)
+    diffs = []
+    with torch.no_grad():
+        for r in reqs:
+            ids = torch.tensor(r.input_ids + r.output_ids, device=device)[None]
+            lp = ours(ids)[0, len(r.input_ids) - 1:-1].log_softmax(-1).gather(-1, ids[0, len(r.input_ids):, None])
+            diffs.append((lp[:, 0].cpu() - torch.tensor(r.output_logprobs)).abs())
+    d = torch.stack(diffs)  # [prompts, new tokens]
+    print(f"  mean |Δ logprob| {d.mean():.4f}   p99 {d.flatten().quantile(0.99):.4f}   max {d.max():.4f}   "
+          f"first token {d[:, 0].mean():.4f}   rest {d[:, 1:].mean():.4f}   "
+          f"(mean sampled logprob {sum(sum(r.output_logprobs) for r in reqs) / d.numel():.2f})")
 
 
 def bench_sync(args, dtype, device, versions):

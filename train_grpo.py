@@ -134,6 +134,10 @@ for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto
     if globals()[_k] not in _ok:  # a value the run would refuse later (or misread): a usage error now
         print(f"error: {_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}", file=sys.stderr)
         sys.exit(2)
+if compile == 'layers' and not torch.cuda.is_available():  # fail now, not at the first rollout
+    print("error: compile='layers' needs a GPU: on the CPU, inductor's C++ code for the decode step does not build "
+          "(torch 2.13); use compile='off' or 'hot'", file=sys.stderr)
+    sys.exit(2)
 config = {k: globals()[k] for k in config_keys}
 t_start = time.time()
 
