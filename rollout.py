@@ -317,6 +317,8 @@ if __name__ == "__main__":
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     p.add_argument("--fp8-emu", action="store_true", help="FP8 activations, KV and indexer FP4 (set_fp8_emulation)")
     p.add_argument("--invariant", action="store_true", help="path-invariant numerics (compare_logprobs --invariant)")
+    p.add_argument("--compile", default="off", choices=["off", "hot", "layers"],
+                   help="torch.compile: mHC/norm/RoPE functions (hot) or each layer's decode step (layers, GPU only)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-len", type=int, default=4096)
@@ -327,6 +329,8 @@ if __name__ == "__main__":
     if args.serve:
         if not args.model:
             p.error("--serve needs --model")
+        if args.compile == "layers" and (args.device == "cpu" or not __import__("torch").cuda.is_available()):
+            p.error("--compile layers needs a GPU: inductor's C++ code for the decode step does not build on the CPU")
         server.serve(args)
         sys.exit(0)
     # Self-check on CPU in seconds: a tiny random model behind the embedded server; the client's logprobs

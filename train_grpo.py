@@ -58,7 +58,8 @@ init_from = 'scratch'  # 'scratch' (model_config) or a checkpoint directory with
 model_config = 'config/models/tiny.json'
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
 kernels = 'auto'  # 'fast' | 'reference' (kernels.py: window attention by blocks, grouped GEMM experts) | 'auto': fast on CUDA
-compile = 'off'  # 'hot': torch.compile mHC's Sinkhorn, norms, RoPE | 'layers': whole layers + decode steps (kernels.py)
+compile = 'off'  # 'hot': torch.compile mHC's Sinkhorn, norms, RoPE | 'layers': whole layers + decode steps (kernels.py);
+                 # the embedded server gets the same (rollout.py --serve --compile)
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the toy task, else 'deepseek-v4'
 resume = False  # continue from the newest complete checkpoint in out_dir
 # parallel layout (tensor parallel is fixed at 1)
@@ -223,7 +224,7 @@ def start_server(version):
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'rollout.py'), '--serve',
            '--model', sync_dir, '--port', str(port), '--dtype', dtype, '--max-batch', str(rollout_max_batch),
            '--max-len', str(max_prompt_len + max_new_tokens), '--parent-pid', str(os.getpid()), '--quant', rollout_quant,
-           '--weight-version', version]
+           '--weight-version', version, '--compile', compile]
     print0(f"starting the embedded rollout server: {' '.join(cmd)}")
     return subprocess.Popen(cmd, start_new_session=True)  # its own session: a Ctrl-C reaches the trainer only
 
