@@ -20,7 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from model_dsv4 import ModelArgs, Transformer, save_pretrained
+from checkpoint import save_pretrained
+from model_dsv4 import ModelArgs, Transformer
 
 p = argparse.ArgumentParser()
 p.add_argument("--what", default="train", choices=["train", "decode", "sync", "mismatch"])
@@ -151,7 +152,8 @@ def bench_decode(ours, ref, args, device, versions):
         from torch.profiler import ProfilerActivity, profile
         eager = Engine(ours, max_batch=cli.batch, max_len=cli.seq + 16, cuda_graphs=False)
         sp = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=0)
-        reqs = [eager.submit(p, sp, str(i)) for i, p in enumerate(prompts.tolist())]
+        for i, p in enumerate(prompts.tolist()):
+            eager.submit(p, sp, str(i))
         eager.step()
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=acts) as prof:

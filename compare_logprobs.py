@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 import parallel
 from engine import Engine, SamplingParams
-from model_dsv4 import Attention, ModelArgs, Transformer, from_pretrained
+from checkpoint import from_pretrained
+from model_dsv4 import Attention, ModelArgs, Transformer
 from quant import FP8Linear, fp4_dequantize, fp4_quantize, fp8_block_dequantize, fp8_block_quantize
 
 # -----------------------------------------------------------------------------

@@ -308,7 +308,7 @@ if __name__ == "__main__":
     import argparse
     p = argparse.ArgumentParser(description="--serve: the embedded SGLang-compatible server; else a self-check")
     p.add_argument("--serve", action="store_true")
-    p.add_argument("--model", help="checkpoint directory (model_dsv4.save_pretrained layout)")
+    p.add_argument("--model", help="checkpoint directory (checkpoint.save_pretrained layout)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on the ready line)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -337,7 +337,8 @@ if __name__ == "__main__":
     # equal the training forward's, and the seeds make a rerun draw the same tokens.
     import tempfile
     import torch
-    from model_dsv4 import ModelArgs, Transformer, save_pretrained
+    from checkpoint import save_pretrained
+    from model_dsv4 import ModelArgs, Transformer
     t0 = time.time()
     model = Transformer(ModelArgs(vocab_size=512, num_hidden_layers=4, compress_ratios=[0, 4, 16, 0],
                                   num_nextn_predict_layers=0, num_hash_layers=1), dtype=torch.float32)

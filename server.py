@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from engine import Engine, SamplingParams
-from model_dsv4 import Attention, canonical_name, checkpoint_index, from_pretrained, load_state_dict
+from checkpoint import canonical_name, checkpoint_index, from_pretrained, load_state_dict
+from model_dsv4 import Attention
 from quant import as_bytes, dequantize, e8m0_to_float, quant_format, quantize_tensor, quantized_meta, scale_name
 from rollout import init_weight_update_group
 from tensor_payload import read as read_payload
@@ -612,7 +613,7 @@ def read_raw(path, names):
 
 def read_checkpoint(path, qformats):
     """A checkpoint's tensors by official name: those served quantized as stored (weight and .scale), the rest
-    as model_dsv4.load_state_dict gives them (FP8 / FP4 dequantised: this server does not serve them so)."""
+    as checkpoint.load_state_dict gives them (FP8 / FP4 dequantised: this server does not serve them so)."""
     index = checkpoint_index(path)
     plain = [k for k in index if k not in qformats and not (k.endswith(".scale") and k[:-5] + "weight" in index)]
     return {**load_state_dict(path, plain), **read_raw(path, qformats)}

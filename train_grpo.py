@@ -43,7 +43,8 @@ from memory_plan import plan_table
 import weight_sync as wsync
 from eval_aime import evaluate, load_problems, math_reward, overlong_penalty
 from grpo import group_advantages, grpo_loss, keep_group, make_microbatches, token_logprobs
-from model_dsv4 import ModelArgs, load_weights
+from checkpoint import load_weights
+from model_dsv4 import ModelArgs
 from rollout import RolloutClient
 from tasks import format_warmup_batch, load_tokenizer, prompt_ids, toy_problems
 
@@ -58,8 +59,7 @@ init_from = 'scratch'  # 'scratch' (model_config) or a checkpoint directory with
 model_config = 'config/models/tiny.json'
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
 kernels = 'auto'  # 'fast' | 'reference' (kernels.py: window attention by blocks, grouped GEMM experts) | 'auto': fast on CUDA
-compile = 'off'  # 'hot': torch.compile mHC's Sinkhorn, norms, RoPE | 'layers': whole layers + decode steps (kernels.py);
-                 # the embedded server gets the same (rollout.py --serve --compile)
+compile = 'off'  # torch.compile 'hot' paths (Sinkhorn, norms, RoPE) | whole 'layers' (kernels.py); the server too
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the toy task, else 'deepseek-v4'
 resume = False  # continue from the newest complete checkpoint in out_dir
 # parallel layout (tensor parallel is fixed at 1)
@@ -135,9 +135,8 @@ for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto
     if globals()[_k] not in _ok:  # a value the run would refuse later (or misread): a usage error now
         print(f"error: {_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}", file=sys.stderr)
         sys.exit(2)
-if compile == 'layers' and not torch.cuda.is_available():  # fail now, not at the first rollout
-    print("error: compile='layers' needs a GPU: on the CPU, inductor's C++ code for the decode step does not build "
-          "(torch 2.13); use compile='off' or 'hot'", file=sys.stderr)
+if compile == 'layers' and not torch.cuda.is_available():  # inductor's C++ decode step does not build on the CPU
+    print("error: compile='layers' needs a GPU; on the CPU use compile='off' or 'hot'", file=sys.stderr)
     sys.exit(2)
 config = {k: globals()[k] for k in config_keys}
 t_start = time.time()

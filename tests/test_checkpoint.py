@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import TINY, randomize_
-from model_dsv4 import ModelArgs, Transformer, from_pretrained, load_state_dict, save_pretrained
+from checkpoint import from_pretrained, load_state_dict, save_pretrained
+from model_dsv4 import ModelArgs, Transformer
 from quant import fp4_dequantize, fp4_quantize, fp8_block_dequantize, fp8_block_quantize
 
 FP8 = r"\.(wq_a|wq_b|wkv|wo_a|wo_b|e_proj|h_proj)\.weight$|shared_experts\.w[123]\.weight$"  # spec §4.5

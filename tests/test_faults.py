@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from model_dsv4 import load_state_dict
+from checkpoint import load_state_dict
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 BASE = ["--n_prompts=4", "--n_samples=4", "--max_new_tokens=8", "--format_warmup_steps=0", "--overlong_buffer=7",

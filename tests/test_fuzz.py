@@ -1,7 +1,6 @@
 """Bad input: a few thousand generated hostile HTTP requests against one embedded server (tiny model), then the
 access rules; random config keys and values; and the repo never unpickles what it did not write itself."""
 import json
-import os
 import random
 import re
 import socket
@@ -184,18 +183,10 @@ def test_config_fuzz_is_a_usage_error_naming_the_key(monkeypatch):
 
 
 @pytest.mark.parametrize("args,expect", [(["--max_step=3"], "unknown config key 'max_step'.*did you mean max_steps"),
-                                         (["--weight_sync=tensr"], "weight_sync='tensr': choose one of disk, distributed, tensor")]
-                         + ([(["--compile=layers"], "compile='layers' needs a GPU")] if not torch.cuda.is_available() else []))
+                                         (["--weight_sync=tensr"], "weight_sync='tensr': choose one of disk, distributed, tensor")])
 def test_train_grpo_exits_2_on_bad_config(args, expect):
     p = subprocess.run([sys.executable, "train_grpo.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and re.search(expect, p.stderr), p.stderr[-2000:]
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
-def test_server_refuses_compile_layers_without_gpu(tmp_path):
-    p = subprocess.run([sys.executable, "rollout.py", "--serve", "--model", str(tmp_path), "--compile", "layers"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "--compile layers needs a GPU" in p.stderr, p.stderr[-2000:]
 
 
 def test_nothing_unpickles_foreign_bytes():

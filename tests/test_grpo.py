@@ -91,7 +91,7 @@ def run(out, *args, nproc=1):
 
 
 def weights(ckpt):
-    from model_dsv4 import load_state_dict
+    from checkpoint import load_state_dict
     return load_state_dict(ckpt)
 
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import SMALL, SMALL_16, TINY, TINY_16, randomize_
-from model_dsv4 import Transformer, from_pretrained, hc_split_sinkhorn, save_pretrained
+from checkpoint import from_pretrained, save_pretrained
+from model_dsv4 import Transformer, hc_split_sinkhorn
 
 transformers = pytest.importorskip("transformers")  # a test dependency: .ci/run installs it
 logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import randomize_
-from model_dsv4 import ModelArgs, Transformer, from_pretrained, save_pretrained
+from checkpoint import from_pretrained, save_pretrained
+from model_dsv4 import ModelArgs, Transformer
 from rollout import RolloutClient, init_weight_update_group
 
 KEY = "test-key"

@@ -15,7 +15,8 @@ import torch
 import parallel
 import weight_sync as wsync
 from conftest import randomize_, start_servers, stop
-from model_dsv4 import ModelArgs, Transformer, save_pretrained
+from checkpoint import save_pretrained
+from model_dsv4 import ModelArgs, Transformer
 from parallel_run import ARGS as RUN_ARGS
 from quant import quant_format, quantize_tensor, quantized_meta
 from rollout import RolloutClient

@@ -1,0 +1,100 @@
+"""kernels.compile_layers: whole layers (Block.forward) and the engine's per-layer decode step under torch.compile,
+against the eager functions they replace (on the CPU with the aot_eager backend, on a GPU with inductor), and the
+CPU refusals of compile='layers' (inductor's C++ code for the decode step does not build there)."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import SMALL, randomize_
+from model_dsv4 import Transformer
+
+CUDA = torch.cuda.is_available()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def compile_layers():
+    """kernels.compile_layers for one test: call it to switch on; the eager functions come back at the end
+    (it swaps them on the classes). Yields the switch; it returns dynamo's counters. On the CPU the backend is
+    aot_eager (the same graphs, autograd and cache writes, run without code generation: inductor's C++ build
+    takes minutes on 2 cores); on a GPU inductor."""
+    import engine
+    import kernels
+    import model_dsv4
+    saved = model_dsv4.Block.forward, engine.Engine._decode_layer
+
+    def on():
+        torch._dynamo.reset()
+        kernels.compile_layers(backend="inductor" if CUDA else "aot_eager")
+        return torch._dynamo.utils.counters
+    yield on
+    model_dsv4.Block.forward, engine.Engine._decode_layer = saved
+    torch._dynamo.reset()
+
+
+def test_compile_layers_train_as_accurate_as_eager(compile_layers):
+    """compile_layers, bf16: logits and the gradients of every parameter are as close to the fp32 model as eager
+    bf16 is (inductor keeps some intermediates in fp32 where eager rounds, so the two bf16 runs differ by bf16
+    rounding)."""
+    dev = "cuda" if CUDA else "cpu"
+    m32 = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
+                     SMALL.num_experts_per_tok, seed=4).set_kernels(True).to(dev)
+    bf = copy.deepcopy(m32).set_dtype(torch.bfloat16)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 96), generator=torch.Generator().manual_seed(5)).to(dev)
+
+    def run(m):
+        logits = m(ids)
+        logits.log_softmax(-1)[..., 3].mean().backward()
+        grads = torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
+        m.zero_grad()
+        return logits.detach().float(), grads
+    exact, eager = run(m32), run(bf)
+    counters = compile_layers()
+    compiled = run(bf)
+    assert counters["stats"]["unique_graphs"] >= 3  # the layers ran compiled: one graph per kind of layer
+    for c, e, x in zip(compiled, eager, exact):
+        err_c, err_e = ((t - x).norm() / x.norm() for t in (c, e))
+        assert err_c <= 1.5 * err_e + 1e-4, (err_c, err_e)
+
+
+def test_compile_layers_decode_as_close_as_eager(compile_layers):
+    """The engine's compiled decode step (kernels.compile_layers, CPU, bf16): its logprobs are as close to the
+    training forward's as the eager engine's are, and it samples from the same distributions."""
+    from dataclasses import replace
+    from engine import Engine, SamplingParams
+    args = replace(SMALL, num_hidden_layers=2, compress_ratios=[4, 128, 4], num_nextn_predict_layers=1)
+    dev = "cuda" if CUDA else "cpu"
+    model = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,
+                       args.num_experts_per_tok, seed=6).set_dtype(torch.bfloat16).set_kernels(True).to(dev)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, args.vocab_size, (n,), generator=g).tolist() for n in (5, 19, 40)]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=s) for s in range(3)]
+
+    def gap(reqs):
+        out = []
+        for r in reqs:
+            ids = torch.tensor(r.input_ids + r.output_ids, device=dev)[None]
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):  # the reference: eager forward
+                lp = model(ids)[0, len(r.input_ids) - 1:-1].log_softmax(-1)
+            lp = lp.gather(-1, ids[0, len(r.input_ids):, None])[:, 0].cpu()
+            out.append((lp - torch.tensor(r.output_logprobs)).abs())
+        return torch.cat(out).mean().item()
+    eager = gap(Engine(model, max_batch=4, max_len=80).generate(prompts, params))
+    counters = compile_layers()
+    compiled = gap(Engine(model, max_batch=4, max_len=80).generate(prompts, params))
+    assert counters["stats"]["unique_graphs"] >= 2
+    assert compiled <= 2 * eager + 0.01, (compiled, eager)
+
+
+@pytest.mark.skipif(CUDA, reason="the refusal is for machines without a GPU")
+@pytest.mark.parametrize("cmd,expect", [(["train_grpo.py", "--compile=layers"], "compile='layers' needs a GPU"),
+                                        (["rollout.py", "--serve", "--model", ".", "--compile", "layers"],
+                                         "--compile layers needs a GPU")])
+def test_compile_layers_refused_without_gpu(cmd, expect):
+    """Exit 2 with the reason at startup, not an inductor error at the first rollout."""
+    p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and expect in p.stderr, p.stderr[-2000:]
