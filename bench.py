@@ -264,9 +264,7 @@ if __name__ == "__main__":
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cli.dtype)
     args = ModelArgs.from_json(cli.model)
-    if cli.compile != "off":
-        import kernels
-        kernels.compile_hot_paths() if cli.compile == "hot" else kernels.compile_layers()
+    __import__("kernels").use_compile(cli.compile)
     if cli.layers:
         n, args.num_hidden_layers = args.num_hidden_layers, cli.layers
         args.compress_ratios = args.compress_ratios[:cli.layers] + args.compress_ratios[n:]  # MTP's entries stay

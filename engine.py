@@ -105,9 +105,9 @@ class Engine:
         # batch bucket -> CUDA graph of _decode; graphs need its sync-free path: fast kernels (grouped GEMM
         # experts, which CUDA runs in bf16) and no FP8 emulation
         fast = all(layer.ffn.fast for layer in model.layers.values())
-        self._stack_experts()
         self.graphs = {} if (cuda_graphs and self.device.type == "cuda" and fast and model.dtype == torch.bfloat16
                              and not any(getattr(m, "fp8_emu", False) for m in model.modules())) else None
+        self._stack_experts()
         self.vocab_size, self.eos_token_id = self.args.vocab_size, self.args.eos_token_id
         self.weight_version = "default"
         self.lock = threading.Lock()  # held while stepping: weight swaps take it
@@ -305,16 +305,12 @@ class Engine:
 
     def _stack_experts(self):
         """Experts read in place by the grouped GEMM (kernels.stack_experts_). Re-stacked if something replaced
-        the parameters (a dtype cast), and then the CUDA graphs, which read the old stack, are dropped.
-        -> whether it re-stacked."""
-        done = False
+        the parameters (a dtype cast), and then the CUDA graphs, which read the old stack, are dropped."""
         for layer in self.model.layers.values():
             experts = list(layer.ffn.experts.values())
             if layer.ffn.fast and not is_stacked(experts, getattr(layer.ffn, "stacked", None)):
-                layer.ffn.stacked, done = stack_experts_(experts), True
-        if done and getattr(self, "graphs", None):
-            self.graphs = {}
-        return done
+                layer.ffn.stacked = stack_experts_(experts)
+                self.graphs = self.graphs and {}  # {} or None as before, without the stale captures
 
     def decode(self, slots, tokens, pos):
         """One token per sequence. slots, tokens, pos: [B] -> fp32 logits [B, vocab].

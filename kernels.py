@@ -121,14 +121,22 @@ def window_attention(q, kv, ckv, cmask, sink, scale, window):
     return out[:, :T]
 
 
+def use_compile(mode):
+    """train_grpo.py `compile`, rollout.py --serve --compile, bench.py --compile: 'off' | 'hot' | 'layers'."""
+    if mode == "hot":
+        compile_hot_paths()
+    elif mode == "layers":
+        compile_layers()
+
+
 def compile_layers(backend="inductor"):
     """`compile='layers'`: torch.compile a whole layer at a time, where the step is bound by launching small
     kernels. Block.forward (the trainer's layers and MTP) and Engine._decode_layer (one decode step of a layer)
     are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or learned router) share
     one compiled graph, since a module's parameters are inputs of the graph, not constants. The engine's
-    prefill stays eager (one call per admitted batch). The first call of each kind, and each new shape (up to dynamic shapes
-    after the second), compiles for tens of seconds. (The CPU tests pass backend="aot_eager": the same graphs
-    without code generation.)"""
+    prefill stays eager (one call per admitted batch). The first call of each kind compiles, minutes for
+    bench_2b on an H200 machine; a new shape recompiles once, then runs with dynamic shapes. (The CPU tests pass
+    backend="aot_eager": the same graphs without code generation.)"""
     import engine
     import model_dsv4 as m
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
@@ -137,7 +145,7 @@ def compile_layers(backend="inductor"):
 
 
 def compile_hot_paths():
-    """`compile=True` (train_grpo.py, bench.py --compile): torch.compile the chains of small elementwise ops that
+    """`compile='hot'`: torch.compile the chains of small elementwise ops that
     leave a GPU waiting on kernel launches, above all mHC's Sinkhorn (20 iterations of sum and divide per
     sublayer: ~6,000 launches per bench_2b training step). The functions are swapped where model_dsv4 looks them
     up, so one call covers the trainer, the engine's prefill and decode (inside its CUDA graphs) alike."""

@@ -329,7 +329,8 @@ if __name__ == "__main__":
     if args.serve:
         if not args.model:
             p.error("--serve needs --model")
-        if args.compile == "layers" and (args.device == "cpu" or not __import__("torch").cuda.is_available()):
+        import torch
+        if args.compile == "layers" and (args.device == "cpu" or not torch.cuda.is_available()):
             p.error("--compile layers needs a GPU: inductor's C++ code for the decode step does not build on the CPU")
         server.serve(args)
         sys.exit(0)

@@ -675,9 +675,7 @@ def exit_with(pid):
 
 def serve(args):
     """`python rollout.py --serve ...`: one ready line with the URL, then serve until Ctrl-C or SIGTERM."""
-    if getattr(args, "compile", "off") != "off":  # before the engine exists: its first decode steps compile
-        import kernels
-        kernels.compile_hot_paths() if args.compile == "hot" else kernels.compile_layers()
+    __import__("kernels").use_compile(args.compile)  # before the engine exists: its first decode steps compile
     httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
                   args.max_batch, args.max_len, background=False, quant=args.quant, fp8_emu=args.fp8_emu,
                   invariant=args.invariant)
@@ -687,7 +685,7 @@ def serve(args):
         threading.Thread(target=exit_with, args=(args.parent_pid,), daemon=True, name="parent-watch").start()
     print(f"rollout server ready at {httpd.url} (model {os.path.abspath(args.model)}, {args.dtype}, quant {args.quant}"
           f"{' + fp8 emulation' if args.fp8_emu else ''}{', invariant' if args.invariant else ''}"
-          f"{f', compile {args.compile}' if getattr(args, 'compile', 'off') != 'off' else ''}, "
+          f"{f', compile {args.compile}' if args.compile != 'off' else ''}, "
           f"{httpd.app.engine.device}, pid {os.getpid()})", flush=True)
     try:
         httpd.serve_forever()

@@ -174,8 +174,7 @@ model = parallel.build_stage(args, grid, dtype=ptype, pp_layers=split, init=mode
 if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
 model.set_kernels(kernels == 'fast' or (kernels == 'auto' and grid.device.type == 'cuda'))
-if compile != 'off':  # swaps model_dsv4's (and the engine's) functions for compiled ones
-    getattr(__import__('kernels'), f'compile_{"hot_paths" if compile == "hot" else "layers"}')()
+__import__('kernels').use_compile(compile)  # swaps model_dsv4's (and the engine's) functions for compiled ones
 if trainable == 'auto':  # the toy task's recipe: a random body, see tasks.py
     trainable = 'io' if data == 'toy' and init_from == 'scratch' else 'all'
 IO = ('embed.', 'head.', 'norm.', 'hc_head_')
