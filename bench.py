@@ -38,6 +38,7 @@ p.add_argument("--kernels", default="auto", choices=["auto", "fast", "reference"
                help="kernels.py's fast paths (auto: on a GPU) or the plain reference")
 p.add_argument("--compile", default="off", choices=["off", "hot", "layers"],
                help="kernels.compile_hot_paths() (hot) or kernels.compile_layers() (layers) before building the models")
+p.add_argument("--invariant", action="store_true", help="mismatch: both sides path-invariant (model.set_invariant)")
 p.add_argument("--profile", action="store_true", help="train: print the top CUDA/CPU ops of one step of ours")
 p.add_argument("--layers", type=int, default=0, help="keep only the first N trunk layers (less memory; 0 = all)")
 cli = p.parse_args()
@@ -91,6 +92,15 @@ def matmul_rate(device, dtype, n=8192):
         a @ b
     sync(device)
     return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+def print_profile(prof, device, wall, per=1):
+    """The top ops of a profile, and how much of the wall time the device was busy (per step)."""
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    ev = prof.key_averages()
+    busy = sum(getattr(e, key) for e in ev) / 1e3 / per  # µs -> ms
+    print(f"  profiled step: {wall * 1e3:.1f} ms wall, {busy:.1f} ms of {key.split('_')[1]} time in ops")
+    print(ev.table(sort_by=key, row_limit=40, max_name_column_width=90))
 
 
 def bench_decode(ours, ref, args, device, versions):
@@ -157,11 +167,11 @@ def bench_decode(ours, ref, args, device, versions):
         eager.step()
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
             for _ in range(4):
                 eager.step()
             sync(device)
-        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+        print_profile(prof, device, (time.perf_counter() - t0) / 4, per=4)
     print(f"  floor: {w_bytes / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV per step at {bw / 1e12:.2f} TB/s copy "
           f"bandwidth = {floor * 1e3:.2f} ms/step; ours {times['nano-dsv4-rl'] / cli.new_tokens / floor:.1f}x the floor")
 
@@ -176,19 +186,23 @@ def bench_mismatch(ours, args, device, versions):
     prompts = [torch.randint(2, args.vocab_size, (int(n),), generator=g).tolist()
                for n in torch.randint(4, cli.seq + 1, (cli.batch,), generator=g)]
     sp = [SamplingParams(temperature=1.0, max_new_tokens=cli.new_tokens, ignore_eos=True, seed=i) for i in range(cli.batch)]
+    ours.set_invariant(cli.invariant)
     print(f"trainer vs engine logprobs, {cli.model}, {cli.batch} prompts of 4-{cli.seq} tokens, {cli.new_tokens} "
-          f"sampled tokens each (temperature 1), {cli.dtype}, kernels {cli.kernels}, {versions}")
+          f"sampled tokens each (temperature 1), {cli.dtype}, kernels {cli.kernels}"
+          f"{', path-invariant (every sum in fp64)' if cli.invariant else ''}, {versions}")
+    t0 = time.perf_counter()
     reqs = Engine(ours, max_batch=cli.batch, max_len=cli.seq + cli.new_tokens).generate(prompts, sp)
+    t_engine = time.perf_counter() - t0
     diffs = []
-    with torch.no_grad():
+    with torch.no_grad(), ours.numerics():
         for r in reqs:
             ids = torch.tensor(r.input_ids + r.output_ids, device=device)[None]
             lp = ours(ids)[0, len(r.input_ids) - 1:-1].log_softmax(-1).gather(-1, ids[0, len(r.input_ids):, None])
             diffs.append((lp[:, 0].cpu() - torch.tensor(r.output_logprobs)).abs())
     d = torch.stack(diffs)  # [prompts, new tokens]
-    print(f"  mean |Δ logprob| {d.mean():.4f}   p99 {d.flatten().quantile(0.99):.4f}   max {d.max():.4f}   "
-          f"first token {d[:, 0].mean():.4f}   rest {d[:, 1:].mean():.4f}   "
-          f"(mean sampled logprob {sum(sum(r.output_logprobs) for r in reqs) / d.numel():.2f})")
+    print(f"  mean |Δ logprob| {d.mean():.2e}   p99 {d.flatten().quantile(0.99):.2e}   max {d.max():.2e}   "
+          f"first token {d[:, 0].mean():.2e}   rest {d[:, 1:].mean():.2e}   "
+          f"(mean sampled logprob {sum(sum(r.output_logprobs) for r in reqs) / d.numel():.2f}); engine {t_engine:.1f} s")
 
 
 def bench_sync(args, dtype, device, versions):
@@ -315,6 +329,5 @@ if __name__ == "__main__":
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=acts) as prof:
-            time_train(ours, ids, lambda m, x: m(x), 1, 0, device)
-        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+            wall = time_train(ours, ids, lambda m, x: m(x), 1, 0, device)
+        print_profile(prof, device, wall)

@@ -34,8 +34,9 @@ prefills the prompt and decodes the rest through its KV cache (or --engine_path 
 forward, to compare precisions alone). It prints the relative error of every recorded module in execution
 order and the first one above --tol.
 
---invariant (make_invariant, on both sides) removes what makes a token's numbers depend on the path that computed
-it: the rounding stays, so an aligned pair then agrees bit for bit, and what remains of a gap is a recipe difference.
+--invariant (model.set_invariant, on both sides) removes what makes a token's numbers depend on the path that
+computed it: every sum and transcendental function is taken in fp64 (kernels.PathInvariant) and rounded as usual,
+so an aligned pair then agrees bit for bit, on the CPU and on a GPU, and what remains of a gap is a recipe difference.
 """
 import argparse
 import copy
@@ -43,12 +44,11 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import parallel
 from engine import Engine, SamplingParams
 from checkpoint import from_pretrained
-from model_dsv4 import Attention, ModelArgs, Transformer
+from model_dsv4 import ModelArgs, Transformer
 from quant import FP8Linear, fp4_dequantize, fp4_quantize, fp8_block_dequantize, fp8_block_quantize
 
 # -----------------------------------------------------------------------------
@@ -69,7 +69,7 @@ PRECISIONS = ("fp32", "bf16", "fp8", "fp8_fp4", "fp32_emu")
 
 
 def prepare(base, precision, invariant=False):
-    """A copy of the fp32 base in `precision` (see the module docstring); invariant: see make_invariant."""
+    """A copy of the fp32 base in `precision` (see the module docstring); invariant: model.set_invariant."""
     return to_precision(copy.deepcopy(base), precision, invariant)
 
 
@@ -86,7 +86,7 @@ def to_precision(model, precision, invariant=False):
     assert precision in PRECISIONS, precision
     model.set_dtype(torch.float32 if precision.startswith("fp32") else torch.bfloat16)
     if invariant:
-        make_invariant(model)
+        model.set_invariant()
     model.set_fp8_emulation(precision == "fp32_emu")
     if precision.startswith("fp8"):
         for name, m in model.named_modules():
@@ -98,25 +98,6 @@ def to_precision(model, precision, invariant=False):
                     m.weight.copy_(fp8_block_dequantize(*fp8_block_quantize(w)))
         model.set_fp8_emulation(True)
     return model.eval()
-
-
-def make_invariant(model, rows=8):
-    """Path-invariant numerics on this CPU, so that a token's logprob does not depend on how it was computed (one full
-    forward, or prefill + KV-cache decode in a batch of any size): attention's softmax and P.V in fp64 (the full
-    forward sums over all T keys masked, the decode over its ring buffer and entries, in another order), and every
-    call padded to a multiple of `rows` rows (model.row_multiple: the engine pads its decode batch and prefill, the
-    trainer its sequence), because fp32 BLAS takes another kernel for some counts under 12 rows and sigmoid rounds
-    otherwise for some sizes (seen with torch 2.13 on this CPU). Rounding to the model dtype and FP8 stay as they were."""
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.acc = torch.float64
-    model.row_multiple = rows
-    return model
-
-
-def padded(ids, model):
-    """ids [1, T] right-padded to the model's row multiple (causal: the pads never reach the real tokens)."""
-    return F.pad(ids, (0, -ids.shape[1] % getattr(model, "row_multiple", 1)))
 
 
 def inject_untransposed_comb(model, layer):
@@ -137,8 +118,7 @@ def sample(engine_model, url, prompts, temperature, max_new_tokens, seed):
         sp = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": True}
         outs = RolloutClient(url).generate(prompts, 1, sp, seed=seed, desc="compare")
         return [(p, o[0]["output_ids"], o[0]["logprobs"]) for p, o in zip(prompts, outs)]
-    engine = Engine(engine_model, max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 8,
-                    row_multiple=getattr(engine_model, "row_multiple", 1))
+    engine = Engine(engine_model, max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 8)
     sp = [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True, seed=seed + i)
           for i in range(len(prompts))]
     return [(r.input_ids, r.output_ids, r.output_logprobs) for r in engine.generate(prompts, sp)]
@@ -149,12 +129,13 @@ def trainer_logprobs(model, prompt, out_ids, temperature, grid=None):
     """log_softmax(logits / T) of the generated tokens, from one full forward (what the GRPO step computes). With a
     grid, `model` is this rank's stage and the forward goes through the pipeline (parallel.forward_only): the last
     stage gets the logprobs, the other stages None."""
-    ids = torch.tensor(prompt + out_ids)[None]
+    ids = torch.tensor(prompt + out_ids, device=next(model.parameters()).device)[None]
     score = lambda logits, mb=None: ((logits[0, len(prompt) - 1:ids.shape[1] - 1].float() / max(temperature, 1e-6))
                                      .log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0])
-    if grid is None:
-        return score(model(padded(ids, model)))
-    out = parallel.forward_only(model, grid, [{"input_ids": padded(ids, model)}], score)
+    with model.numerics():  # the log-softmax too, as the engine's sampling does it
+        if grid is None:
+            return score(model(ids))
+        out = parallel.forward_only(model, grid, [{"input_ids": ids}], score)
     return out[0] if out else None
 
 
@@ -233,7 +214,7 @@ class Trace:
 def trace_forward(model, ids):
     t = Trace(model)
     t.pos = list(range(len(ids)))
-    model(padded(torch.tensor(ids)[None], model))
+    model(torch.tensor(ids)[None])
     t.close()
     return t.rec
 
@@ -241,7 +222,7 @@ def trace_forward(model, ids):
 @torch.no_grad()
 def trace_engine(model, ids, n_prompt):
     """Prefill ids[:n_prompt], then decode ids[n_prompt:] one token at a time through the KV cache."""
-    engine = Engine(model, max_batch=1, max_len=len(ids) + 8, row_multiple=getattr(model, "row_multiple", 1))
+    engine = Engine(model, max_batch=1, max_len=len(ids) + 8)
     t = Trace(model)
     t.pos = list(range(n_prompt))
     engine.prefill([0], [ids[:n_prompt]])
@@ -284,7 +265,7 @@ if __name__ == "__main__":
     ap.add_argument("--trainer", default="fp32", choices=PRECISIONS)
     ap.add_argument("--engine", default="fp32", choices=PRECISIONS)
     ap.add_argument("--table", action="store_true", help="fp32/fp32, bf16/bf16, bf16/fp8, fp8/fp8 as a table")
-    ap.add_argument("--invariant", action="store_true", help="both sides path-invariant (make_invariant): what closes the gap")
+    ap.add_argument("--invariant", action="store_true", help="both sides path-invariant (model.set_invariant): what closes the gap")
     ap.add_argument("--n_prompts", type=int, default=8)
     ap.add_argument("--prompts", default="random", choices=["random", "toy"], help="random ids, or the toy task's prompts")
     ap.add_argument("--max_new_tokens", type=int, default=48)

@@ -92,16 +92,12 @@ class KVCache:
 
 
 class Engine:
-    def __init__(self, model, max_batch=64, max_len=4096, cuda_graphs=True, row_multiple=1):
+    def __init__(self, model, max_batch=64, max_len=4096, cuda_graphs=True):
         self.model, self.args = model.eval(), model.args
         self.device = next(model.parameters()).device
         self.max_batch, self.max_len = max_batch, max_len
-        # row_multiple 8 (compare_logprobs --invariant): decode pads its batch with scratch slots and prefill its length
-        # to a multiple of 8, as the trainer pads its sequence: CPU BLAS (fp32, under 12 rows) and sigmoid round otherwise
-        # for other row counts, so a token's result would depend on how many shared the step
-        self.row_multiple = row_multiple
-        # scratch slots past max_batch: the padding rows of row_multiple and of the CUDA graphs' batch buckets
-        self.cache = KVCache(model, max_batch + max(1, row_multiple - 1), max_len, self.device)
+        # a scratch slot past max_batch: the padding rows of the CUDA graphs' batch buckets decode into it
+        self.cache = KVCache(model, max_batch + 1, max_len, self.device)
         # batch bucket -> CUDA graph of _decode; graphs need its sync-free path: fast kernels (grouped GEMM
         # experts, which CUDA runs in bf16) and no FP8 emulation
         fast = all(layer.ffn.fast for layer in model.layers.values())
@@ -185,7 +181,7 @@ class Engine:
     @torch.no_grad()
     def step(self):
         """Admit waiting requests into free slots (prefill), then decode one token for every running one."""
-        with self.lock:
+        with self.lock, self.model.numerics():
             if self.paused:
                 return
             self._finish_aborted()
@@ -272,8 +268,7 @@ class Engine:
         -> fp32 logits [B, vocab] at each prompt's last position; fills each slot's cache from position 0."""
         model, a = self.model, self.args
         lengths = [len(p) for p in prompts]
-        n = -(-max(lengths) // self.row_multiple) * self.row_multiple
-        ids = torch.tensor([p + [0] * (n - len(p)) for p in prompts], device=self.device)
+        ids = torch.tensor([p + [0] * (max(lengths) - len(p)) for p in prompts], device=self.device)
         x = model.embed_streams(ids)
         pos = torch.arange(ids.shape[1], device=self.device)
         for layer, c in zip(model.layers.values(), self.cache.layers):
@@ -299,9 +294,8 @@ class Engine:
             x = layer.hc_post(attn(h), x, post, comb)
             h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
             x = layer.hc_post(layer.ffn(layer.ffn_norm(h), ids), x, post, comb)
-        last, B = torch.tensor(lengths, device=self.device) - 1, len(prompts)
-        b = torch.arange(-(-B // self.row_multiple) * self.row_multiple, device=self.device) % B  # padded: repeats
-        return model.logits(x[b, last[b]][:, None])[:B, 0]
+        last = torch.tensor(lengths, device=self.device) - 1
+        return model.logits(x[torch.arange(len(prompts), device=self.device), last][:, None])[:, 0]
 
     def _stack_experts(self):
         """Experts read in place by the grouped GEMM (kernels.stack_experts_). Re-stacked if something replaced
@@ -319,11 +313,7 @@ class Engine:
         B = len(slots)
         self._stack_experts()  # here, not in the MoE: compiled code and CUDA graphs read the stack as given
         if self.graphs is None:
-            pad = -B % self.row_multiple
-            if pad:  # scratch slots past max_batch decode token 0 at position 0; their rows are dropped
-                slots = torch.cat([slots, torch.arange(self.max_batch, self.max_batch + pad, device=self.device)])
-                tokens, pos = torch.cat([tokens, tokens.new_zeros(pad)]), torch.cat([pos, pos.new_zeros(pad)])
-            return self._decode(slots, tokens, pos)[:B]
+            return self._decode(slots, tokens, pos)
         bucket = next(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, self.max_batch) if b >= B)
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
@@ -410,7 +400,7 @@ class Engine:
                 visible = visible & torch.zeros_like(visible).scatter_(-1, idx, True)
             keys = torch.cat([keys, c["comp"][slots, :S]], dim=1)
             mask = torch.cat([mask, visible[:, None]], dim=-1)
-        o = sink_attention(q, keys, mask, attn.attn_sink, attn.softmax_scale, attn.acc)
+        o = sink_attention(q, keys, mask, attn.attn_sink, attn.softmax_scale)
         return attn.output(o, cos, sin)
 
 

@@ -11,6 +11,7 @@ engine.py holds the KV-cache decode form of the same modules.
 Shape legend: B batch, T tokens, D hidden, n hc streams, H heads, d head dim, rd rope dims,
 S compressed entries (T // ratio), E routed experts, K experts per token, N = B*T tokens.
 """
+import contextlib
 import json
 import math
 import zlib
@@ -21,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 import torch.nn.functional as F
-from kernels import grouped_experts, linear_f32, matmul_f32, window_attention
+from kernels import PathInvariant, grouped_experts, linear_f32, matmul_f32, window_attention
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
 # -----------------------------------------------------------------------------
@@ -310,21 +311,19 @@ class Indexer(nn.Module):
         return chosen & visible  # picks that landed on invisible entries mean "no entry"
 
 
-def sink_attention(q, kv, mask, sink, scale, acc=None):
-    """Softmax attention where a per-head sink logit enlarges the denominator only. acc=float64 (Attention.acc): softmax
-    and P.V summed in fp64, then rounded as usual: the result no longer depends on the key list's length and order.
+def sink_attention(q, kv, mask, sink, scale):
+    """Softmax attention where a per-head sink logit enlarges the denominator only.
     q: [B, T, H, d], kv: [B, L, d] (K == V), mask: bool [B or 1, T, L], sink: [H] -> [B, T, H, d]"""
     logits = torch.einsum("bthd,bld->bhtl", q.float(), kv.float()) * scale
-    logits = logits.masked_fill(~mask[:, None], float("-inf")).to(acc or torch.float32)
-    sinks = sink.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    sinks = sink.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
     probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.einsum("bhtl,bld->bthd", probs.to(kv.dtype).to(acc or kv.dtype), kv.to(acc or kv.dtype)).to(kv.dtype)
+    return torch.einsum("bhtl,bld->bthd", probs.to(kv.dtype), kv)
 
 
 class Attention(nn.Module):
     """Shared-KV MQA with a low-rank query, sliding window + optional compressed keys, and an attention sink."""
     fast = False  # set by Transformer.set_kernels
-    acc = None  # sink_attention's: float64 makes it path-invariant (compare_logprobs --invariant; reference path)
     def __init__(self, layer_id, args):
         super().__init__()
         self.args, self.layer_id = args, layer_id
@@ -385,7 +384,7 @@ class Attention(nn.Module):
         if self.ratio:
             kv = torch.cat([kv, ckv], dim=1)
             mask = torch.cat([mask.expand(cmask.shape[0], -1, -1), cmask], dim=-1)
-        o = sink_attention(q, kv, mask, self.attn_sink, self.softmax_scale, self.acc)
+        o = sink_attention(q, kv, mask, self.attn_sink, self.softmax_scale)
         return self.output(o, cos, sin)
 
 
@@ -648,6 +647,7 @@ FP32_NAMES = ("hc_", "attn_sink", "ape", "norm.weight", "gate.bias")  # tensors 
 class Transformer(nn.Module):
     """The whole model, or (built by parallel.py) one pipeline stage of it: `layers` is a dict keyed by the
     global layer index, so a stage keeps the official names; a stage's missing ends are None."""
+    invariant = False  # path-invariant numerics: set_invariant
     def __init__(self, args: ModelArgs, dtype=torch.bfloat16, ep_group=None):
         super().__init__()
         self.args = args
@@ -704,6 +704,18 @@ class Transformer(nn.Module):
             m.fast = fast
         return self
 
+    def set_invariant(self, on=True):
+        """Path-invariant numerics (compare_logprobs --invariant, rollout.py --serve --invariant): a token's logprob
+        no longer depends on how it was computed (one full forward, or prefill + KV-cache decode in a batch of any
+        size). Every sum and transcendental function in fp64 (kernels.PathInvariant, entered by numerics()), with
+        the reference experts and attention (grouped_mm has no fp64). Weights and activations keep their dtype."""
+        self.invariant = on
+        return self.set_kernels(False) if on else self
+
+    def numerics(self):
+        """The context each forward and engine step runs in: kernels.PathInvariant once set_invariant, else none."""
+        return PathInvariant() if self.invariant else contextlib.nullcontext()
+
     def embed_streams(self, input_ids):
         # [B, T] -> [B, T, n, D]: n plain copies of the embedding
         h = self.embed(input_ids)
@@ -717,16 +729,17 @@ class Transformer(nn.Module):
     def forward(self, input_ids, mtp=False):
         """input_ids [B, T] -> fp32 logits [B, T, vocab]. With mtp=True also the MTP logits
         [B, T-1, vocab], where position t predicts token t+2."""
-        x = self.embed_streams(input_ids)
-        for layer in self.layers.values():
-            x = layer(x, input_ids)
-        logits = self.logits(x)
-        if not mtp:
-            return logits
-        assert len(self.mtp) > 0, "this model has no MTP layer (num_nextn_predict_layers = 0)"
-        nxt = input_ids[:, 1:]
-        h = self.mtp[0](x[:, :-1], self.embed(nxt), nxt)
-        return logits, linear_f32(h, self.head.weight)
+        with self.numerics():
+            x = self.embed_streams(input_ids)
+            for layer in self.layers.values():
+                x = layer(x, input_ids)
+            logits = self.logits(x)
+            if not mtp:
+                return logits
+            assert len(self.mtp) > 0, "this model has no MTP layer (num_nextn_predict_layers = 0)"
+            nxt = input_ids[:, 1:]
+            h = self.mtp[0](x[:, :-1], self.embed(nxt), nxt)
+            return logits, linear_f32(h, self.head.weight)
 
 
 # -----------------------------------------------------------------------------

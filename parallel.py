@@ -9,7 +9,7 @@ world size 1 runs the same functions without a process group.
 """
 import math
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -171,12 +171,14 @@ def build_stage(args: ModelArgs, grid: Grid, dtype=torch.float32, pp_layers=None
 
 def stage_forward(model, x, ids, recompute=False):
     """x: [B, T, n, D] from the previous stage, or None on the first stage -> streams, or fp32 logits on the last.
-    Every stage gets the micro-batch's token ids: hash-routed layers read them, wherever they sit."""
+    Every stage gets the micro-batch's token ids: hash-routed layers read them, wherever they sit.
+    The caller enters model.numerics() (path-invariant sums, set_invariant), so that the loss is inside too."""
     if x is None:
         x = model.embed_streams(ids)
+    rerun = lambda: (nullcontext(), model.numerics())  # a recomputed layer rounds as its forward did
     for layer in model.layers.values():
         # recompute: keep only each layer's input, rerun the layer in backward (same routing: deterministic)
-        x = checkpoint(layer, x, ids, use_reentrant=False) if recompute else layer(x, ids)
+        x = checkpoint(layer, x, ids, use_reentrant=False, context_fn=rerun) if recompute else layer(x, ids)
     return model.logits(x) if model.head is not None else x
 
 
@@ -252,10 +254,11 @@ def send_bwd_recv_fwd(grid, g, shape, dtype):
 # any token loss from what its micro-batch carries (advantages, old logprobs, ...).
 
 def _forward(model, grid, x, mb, loss_fn, recompute, metrics):
-    out = stage_forward(model, x, mb["input_ids"], recompute)
-    if not grid.is_last_stage:
-        return out
-    loss = loss_fn(out, mb)
+    with model.numerics():
+        out = stage_forward(model, x, mb["input_ids"], recompute)
+        if not grid.is_last_stage:
+            return out
+        loss = loss_fn(out, mb)
     if isinstance(loss, tuple):  # (loss, {name: value}) -> metrics summed over micro-batches
         loss, extra = loss
         for k, v in extra.items():  # summed over micro-batches; names ending in _max take the max
@@ -322,10 +325,11 @@ def forward_only(model, grid, microbatches, fn):
     out = []
     for mb in microbatches:
         x = recv_fwd(grid, (*mb["input_ids"].shape, model.args.hc_mult, model.args.hidden_size), model.dtype)
-        y = stage_forward(model, x, mb["input_ids"])
-        if grid.is_last_stage:
-            out.append(fn(y, mb))
-        else:
+        with model.numerics():
+            y = stage_forward(model, x, mb["input_ids"])
+            if grid.is_last_stage:
+                out.append(fn(y, mb))
+        if not grid.is_last_stage:
             send_fwd(grid, y)
     return out
 

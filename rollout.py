@@ -330,6 +330,8 @@ if __name__ == "__main__":
         if not args.model:
             p.error("--serve needs --model")
         import torch
+        if args.invariant and args.compile != "off":
+            p.error("--invariant runs eager (a Python dispatch mode per op): leave --compile off")
         if args.compile == "layers" and (args.device == "cpu" or not torch.cuda.is_available()):
             p.error("--compile layers needs a GPU: inductor's C++ code for the decode step does not build on the CPU")
         server.serve(args)

@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 from engine import Engine, SamplingParams
 from checkpoint import canonical_name, checkpoint_index, from_pretrained, load_state_dict
-from model_dsv4 import Attention
 from quant import as_bytes, dequantize, e8m0_to_float, quant_format, quantize_tensor, quantized_meta, scale_name
 from rollout import init_weight_update_group
 from tensor_payload import read as read_payload
@@ -127,14 +126,14 @@ class Server:
     """What the handler threads share: the model, the engine and its scheduler thread, the weight-update
     session and process groups. One method per endpoint: (JSON body, handler) -> JSON-able answer."""
 
-    def __init__(self, model, model_path="", api_key=None, max_batch=64, max_len=4096, quant="none", row_multiple=1):
+    def __init__(self, model, model_path="", api_key=None, max_batch=64, max_len=4096, quant="none"):
         self.model, self.model_path, self.api_key, self.max_len = model, model_path, api_key, max_len
         # quantized serving: {name: (shape, dtype)} of every quantized weight and scale; qstate holds them as
         # sent; `dirty` names arrived since the compute weights were last rebuilt from them
         self.quant, self.qstate, self.dirty = quant, {}, set()
         self.qformats = {n: (s, d) for k, v in model.state_dict().items() if quant_format(k, quant)
                          for n, s, d in quantized_meta(k, tuple(v.shape), v.dtype, quant)}
-        self.engine = Engine(model, max_batch=max_batch, max_len=max_len, row_multiple=row_multiple)
+        self.engine = Engine(model, max_batch=max_batch, max_len=max_len)
         self.vocab = self.engine.vocab_size
         self.stop = threading.Event()
         self.loop = threading.Thread(target=self.engine.run_forever, args=(self.stop,), daemon=True, name="scheduler")
@@ -624,7 +623,7 @@ def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None
     """Serve a model_dsv4.Transformer, or a checkpoint directory loaded with from_pretrained. Returns the
     HTTPServer (its .url, .close()), serving from a thread of its own, or not yet with background=False.
     fp8_emu: FP8 activations, KV and indexer FP4 as the reference computes them (model.set_fp8_emulation).
-    invariant: compare_logprobs.make_invariant on this side (fp64 attention sums, decode and prefill padded to 8 rows)."""
+    invariant: path-invariant numerics on this side (model.set_invariant: every sum in fp64)."""
     path = model if isinstance(model, str) else ""
     if path:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -632,11 +631,10 @@ def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None
     model.set_kernels(next(model.parameters()).is_cuda)  # kernels.py for prefill on a GPU (decode: engine.py)
     if fp8_emu:
         model.set_fp8_emulation(True)
-    for m in model.modules() if invariant else ():
-        if isinstance(m, Attention):
-            m.acc = torch.float64
+    if invariant:
+        model.set_invariant()
     httpd = HTTPServer((host, port), Handler)
-    httpd.app = app = Server(model, path, api_key, max_batch, max_len, quant, 8 if invariant else 1)
+    httpd.app = app = Server(model, path, api_key, max_batch, max_len, quant)
     app.local = ipaddress.ip_address(httpd.server_address[0]).is_loopback
     if not app.local and not api_key:
         print(f"warning: listening on {host} without --api-key: /generate is open to the network, and the "

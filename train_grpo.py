@@ -60,6 +60,7 @@ model_config = 'config/models/tiny.json'
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
 kernels = 'auto'  # 'fast' | 'reference' (kernels.py: window attention by blocks, grouped GEMM experts) | 'auto': fast on CUDA
 compile = 'off'  # torch.compile 'hot' paths (Sinkhorn, norms, RoPE) | whole 'layers' (kernels.py); the server too
+invariant = False  # trainer and embedded server path-invariant (model.set_invariant): rollout logprobs equal the trainer's bit for bit; slow
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the toy task, else 'deepseek-v4'
 resume = False  # continue from the newest complete checkpoint in out_dir
 # parallel layout (tensor parallel is fixed at 1)
@@ -135,6 +136,9 @@ for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto
     if globals()[_k] not in _ok:  # a value the run would refuse later (or misread): a usage error now
         print(f"error: {_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}", file=sys.stderr)
         sys.exit(2)
+if invariant and compile != 'off':  # a Python dispatch mode per op; the compiled graphs would bypass it
+    print("error: invariant=True runs eager: set compile='off'", file=sys.stderr)
+    sys.exit(2)
 if compile == 'layers' and not torch.cuda.is_available():  # inductor's C++ decode step does not build on the CPU
     print("error: compile='layers' needs a GPU; on the CPU use compile='off' or 'hot'", file=sys.stderr)
     sys.exit(2)
@@ -174,6 +178,7 @@ model = parallel.build_stage(args, grid, dtype=ptype, pp_layers=split, init=mode
 if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
 model.set_kernels(kernels == 'fast' or (kernels == 'auto' and grid.device.type == 'cuda'))
+model.set_invariant(invariant)  # on: every sum in fp64 and the reference kernels, as the server's (--invariant)
 __import__('kernels').use_compile(compile)  # swaps model_dsv4's (and the engine's) functions for compiled ones
 if trainable == 'auto':  # the toy task's recipe: a random body, see tasks.py
     trainable = 'io' if data == 'toy' and init_from == 'scratch' else 'all'
@@ -222,7 +227,7 @@ def start_server(version):
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'rollout.py'), '--serve',
            '--model', sync_dir, '--port', str(port), '--dtype', dtype, '--max-batch', str(rollout_max_batch),
            '--max-len', str(max_prompt_len + max_new_tokens), '--parent-pid', str(os.getpid()), '--quant', rollout_quant,
-           '--weight-version', version, '--compile', compile]
+           '--weight-version', version, '--compile', compile] + (['--invariant'] if invariant else [])
     print0(f"starting the embedded rollout server: {' '.join(cmd)}")
     return subprocess.Popen(cmd, start_new_session=True)  # its own session: a Ctrl-C reaches the trainer only
 

@@ -93,13 +93,29 @@ def test_engine_vs_trainer_logprobs_fp32():
 
 
 def test_invariant_fp8_engine_equals_trainer_bit_for_bit():
-    """make_invariant (fp64 attention sums, calls padded to 8 rows) on both sides of the FP8-emulating pair: three
-    sequences decoded together (the batch is padded), each re-scored alone by a full forward, agree exactly."""
+    """set_invariant (every sum in fp64) on both sides of the FP8-emulating pair: three sequences decoded together,
+    each re-scored alone by a full forward, agree exactly."""
     base = small_model()
     trainer, engine_model = prepare(base, "fp8", invariant=True), prepare(base, "fp8", invariant=True)
     prompts = [[5, 6, 7, 8], list(range(9, 40)), list(range(40, 53))]
     samples = sample(engine_model, "", prompts, 1.0, 10, seed=0)
     r = compare([trainer_logprobs(trainer, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=1)
+    assert r["tokens"] == 30 and r["max"] == 0.0, r
+
+
+def test_invariant_server_equals_trainer_bit_for_bit():
+    """The same through HTTP: rollout.py --serve --invariant (server.start(invariant=True)), whose engine steps in
+    the server's own thread and batches requests as they arrive, against the trainer scoring each sample alone."""
+    import server
+    base = small_model(torch.bfloat16)
+    httpd = server.start(copy.deepcopy(base), port=0, max_batch=4, max_len=128, invariant=True)
+    try:
+        prompts = [[5, 6, 7, 8], list(range(9, 40)), list(range(40, 53))]
+        samples = sample(None, httpd.url, prompts, 1.0, 10, seed=0)
+    finally:
+        httpd.close()
+    trainer = base.set_invariant()
+    r = compare([trainer_logprobs(trainer, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=0)
     assert r["tokens"] == 30 and r["max"] == 0.0, r
 
 

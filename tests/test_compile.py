@@ -90,11 +90,17 @@ def test_compile_layers_decode_as_close_as_eager(compile_layers):
     assert compiled <= 2 * eager + 0.01, (compiled, eager)
 
 
-@pytest.mark.skipif(CUDA, reason="the refusal is for machines without a GPU")
-@pytest.mark.parametrize("cmd,expect", [(["train_grpo.py", "--compile=layers"], "compile='layers' needs a GPU"),
-                                        (["rollout.py", "--serve", "--model", ".", "--compile", "layers"],
-                                         "--compile layers needs a GPU")])
-def test_compile_layers_refused_without_gpu(cmd, expect):
-    """Exit 2 with the reason at startup, not an inductor error at the first rollout."""
+CPU_ONLY = pytest.mark.skipif(CUDA, reason="the refusal is for machines without a GPU")
+
+
+@pytest.mark.parametrize("cmd,expect", [
+    pytest.param(["train_grpo.py", "--compile=layers"], "compile='layers' needs a GPU", marks=CPU_ONLY),
+    pytest.param(["rollout.py", "--serve", "--model", ".", "--compile", "layers"], "--compile layers needs a GPU",
+                 marks=CPU_ONLY),
+    (["train_grpo.py", "--invariant=True", "--compile=hot"], "invariant=True runs eager"),
+    (["rollout.py", "--serve", "--model", ".", "--invariant", "--compile", "hot"], "--invariant runs eager")])
+def test_startup_refusals(cmd, expect):
+    """Exit 2 with the reason at startup, not an inductor error at the first rollout: compile='layers' without a
+    GPU, and compiling with path-invariant numerics (a dispatch mode the compiled graphs would bypass)."""
     p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and expect in p.stderr, p.stderr[-2000:]
