@@ -1,5 +1,5 @@
-"""FP8 reference numerics (set_fp8_emulation) against quant.py's round trips, and compare_logprobs.py's tools:
-engine vs trainer logprobs, and --layers finding a planted single-layer bug."""
+"""FP8 reference numerics (set_fp8_emulation) against quant.py's round trips, compare_logprobs.py's tools (engine vs
+trainer logprobs, --layers finding a planted single-layer bug), and path-invariant numerics (set_invariant)."""
 import copy
 import json
 import os
@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -117,6 +118,39 @@ def test_invariant_server_equals_trainer_bit_for_bit():
     trainer = base.set_invariant()
     r = compare([trainer_logprobs(trainer, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=0)
     assert r["tokens"] == 30 and r["max"] == 0.0, r
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_path_invariant_engine_equals_trainer(device):
+    """bf16, three sequences sampled together by the engine (prefill, then batched KV-cache decode), each re-scored
+    alone by a full forward: with set_invariant (every sum in fp64) on the model, the logprobs agree bit for bit,
+    on the CPU and on a GPU (where the default kernels part: cuBLAS picks tiles and split-K by the row count)."""
+    model = small_model(torch.bfloat16).to(device)
+    prompts = [[5, 6, 7, 8], list(range(9, 40)), list(range(40, 53))]
+    gaps = []
+    for invariant in (False, True):
+        model.set_kernels(device == "cuda").set_invariant(invariant)
+        samples = sample(model, "", prompts, 1.0, 12, seed=0)
+        gaps.append(compare([trainer_logprobs(model, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=0))
+    assert gaps[1]["tokens"] == 36 and gaps[1]["max"] == 0.0, gaps[1]
+    assert device == "cpu" or gaps[0]["max"] > 0, gaps[0]  # what it closes on a GPU
+
+
+def test_path_invariant_keeps_dtypes_and_rounds_once():
+    """Under kernels.PathInvariant a bf16 GEMM stays bf16 and equals the fp64 product rounded once; a sum over rows
+    gives each row what it gives that row alone; in-place index_add writes into its fp32 target."""
+    from kernels import PathInvariant
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(37, 300, generator=g).bfloat16(), torch.randn(300, 24, generator=g).bfloat16()
+    with PathInvariant():
+        y, one = a @ b, a[5:6] @ b
+        s = a.float().softmax(-1)
+        t = torch.zeros(3, 300).index_add_(0, torch.arange(37) % 3, a.float())
+        f32 = torch.mm(a, b, out_dtype=torch.float32)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, (a.double() @ b.double()).bfloat16())
+    assert torch.equal(one[0], y[5]) and s.dtype == torch.float32 and f32.dtype == torch.float32
+    assert t.dtype == torch.float32 and torch.equal(t, torch.zeros(3, 300, dtype=torch.float64).index_add_(
+        0, torch.arange(37) % 3, a.double()).float())
 
 
 def test_layers_finds_injected_bug():
