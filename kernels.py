@@ -14,6 +14,7 @@ Fast paths for the model's expensive pieces, each beside the plain reference it 
 `Transformer.set_kernels(True)` switches grouped_experts and window_attention on (train_grpo.py: `kernels='auto'` =
 on for CUDA).
 compile_hot_paths / compile_layers (train_grpo.py `compile`, bench.py --compile) add torch.compile.
+PathInvariant goes the other way, exact and slow: every sum in fp64 (Transformer.set_invariant).
 """
 import torch
 import torch.nn.functional as F
@@ -158,13 +159,14 @@ def compile_hot_paths():
 
 
 class PathInvariant(torch.utils._python_dispatch.TorchDispatchMode):
-    """Every sum the model takes (GEMMs, reductions, softmax, index_add) and every transcendental function computed in
-    fp64 and rounded to the dtype it would have had. A kernel's summation order depends on the shape it is given (cuBLAS picks tiles and split-K
-    by the row count; CPU BLAS has other kernels under 12 rows; a reduction over few rows is split across blocks),
-    so a token's logprob depended on whether it came from one full forward or a KV-cache decode in a batch. In
-    fp64 every order gives the same sum to well below fp32's rounding, so both paths round to the same value:
-    the bit-equal alignment of compare_logprobs --invariant, on any device. Inputs and outputs keep their
-    dtypes (bf16 stays bf16): only the accumulation is wider. Slow: a Python hop per op and fp64 GEMMs."""
+    """Every sum the model takes (GEMMs, reductions, softmax, index_add) and every transcendental function computed
+    in fp64 and rounded to the dtype it would have had. A kernel's summation order depends on the shape it is given
+    (cuBLAS picks tiles and split-K by the row count; CPU BLAS has other kernels under 12 rows; a reduction over few
+    rows is split across blocks), so a token's logprob depended on whether it came from one full forward or a
+    KV-cache decode in a batch. In fp64 every order gives the same sum to well below fp32's rounding, so both paths
+    round to the same value: the bit-equal alignment of compare_logprobs --invariant, on any device. Inputs and
+    outputs keep their dtypes (bf16 stays bf16): only the accumulation is wider. Slow: a Python hop per op and
+    fp64 GEMMs (the H200's engine: 30x)."""
     aten = torch.ops.aten
     SUMS = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.mv, aten.dot, aten.sum, aten.mean, aten.cumsum,
             aten._softmax, aten._log_softmax, aten.logsumexp, aten.linalg_vector_norm, aten.index_add,
