@@ -713,8 +713,10 @@ class Transformer(nn.Module):
         return self.set_kernels(False) if on else self
 
     def numerics(self):
-        """The context each forward and engine step runs in: kernels.PathInvariant once set_invariant, else none."""
-        return PathInvariant() if self.invariant else contextlib.nullcontext()
+        """The context each forward and engine step runs in: kernels.PathInvariant once set_invariant (unless one is
+        active already: a caller scoring with the mode on, whose forward would enter it again), else none."""
+        active = isinstance(torch.utils._python_dispatch._get_current_dispatch_mode(), PathInvariant)
+        return PathInvariant() if self.invariant and not active else contextlib.nullcontext()
 
     def embed_streams(self, input_ids):
         # [B, T] -> [B, T, n, D]: n plain copies of the embedding
