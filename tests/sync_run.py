@@ -27,3 +27,8 @@ if __name__ == "__main__":
         assert stats["max_bucket_bytes"] <= 1 << 18, stats["max_bucket_bytes"]
     json.dump(sent, open(os.path.join(out, f"sent.rank{grid.rank}.json"), "w"))
     print(f"rank {grid.rank} done", flush=True)
+    # every group down before the interpreter exits, as train_grpo.py ends: left to exit's teardown, rank 0's
+    # weight-update group (gloo, with the servers) could abort the process ("terminate called without an active
+    # exception"), seen once in CI after every rank was done
+    parallel.barrier(grid.world_group, "sync_run done")
+    torch.distributed.destroy_process_group()
