@@ -607,8 +607,12 @@ class Block(nn.Module):
 
     def hc_post(self, f, x, post, comb):
         # stream k <- post_k * f + sum_j comb[j, k] * x_j: the residual mix uses comb *transposed*
-        y = post.unsqueeze(-1) * f.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x.float())
-        return y.to(x.dtype)
+        y = post.unsqueeze(-1) * f.float().unsqueeze(-2)
+        if torch.compiler.is_compiling():  # a sum over the n input streams, which compile fuses into one kernel;
+            for j in range(x.shape[-2]):   # eager runs the batched matmul faster (bench/probe_hc_post.py)
+                y = y + comb[..., j, :].unsqueeze(-1) * x[..., j, None, :].float()
+            return y.to(x.dtype)
+        return (y + torch.matmul(comb.transpose(-1, -2), x.float())).to(x.dtype)
 
     def forward(self, x, ids):
         # x: [B, T, n, D], ids: [B, T] (hash routing reads the input token ids) -> [B, T, n, D]

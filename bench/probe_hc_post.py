@@ -1,0 +1,45 @@
+"""mHC's hc_post on bench_2b's training shape (4096 tokens, n = 4 streams of D = 1536, bf16 streams, fp32 mixes):
+the stream mix as a batched 4x4 fp32 matmul and as a sum over the 4 input streams, eager and compiled, forward and
+forward + backward. Session 5's profile blamed a 344 us fp32 GEMM kernel on the matmul form; since session 6 the model
+takes the sum when compiling and the matmul eager, each where it ran faster on an H200. python bench/probe_hc_post.py"""
+import time
+
+import torch
+
+
+def by_matmul(f, x, post, comb):
+    return (post.unsqueeze(-1) * f.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x.float())).to(x.dtype)
+
+
+def by_streams(f, x, post, comb):
+    xf = x.float()
+    y = post.unsqueeze(-1) * f.float().unsqueeze(-2)
+    for j in range(x.shape[-2]):
+        y = y + comb[..., j, :].unsqueeze(-1) * xf[..., j, None, :]
+    return y.to(x.dtype)
+
+
+T, n, D = (4096 if torch.cuda.is_available() else 256), 4, 1536
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+leaf = lambda *s, dt=torch.float32: torch.randn(*s, device=dev, dtype=dt).requires_grad_()
+f, x, post, comb = leaf(1, T, D, dt=torch.bfloat16), leaf(1, T, n, D, dt=torch.bfloat16), leaf(1, T, n), leaf(1, T, n, n)
+ref = by_matmul(f, x, post, comb).float()
+print(f"max |matmul - streams| = {(ref - by_streams(f, x, post, comb).float()).abs().max().item():.3e} "
+      f"(bf16 result, |y| up to {ref.abs().max().item():.1f})")
+for name, fn in [("matmul", by_matmul), ("streams", by_streams),
+                 ("matmul, compiled", torch.compile(by_matmul)), ("streams, compiled", torch.compile(by_streams))]:
+    for what in ("forward", "forward+backward"):
+        def once():
+            y = fn(f, x, post, comb)
+            if what != "forward":
+                y.backward(torch.ones_like(y))
+        for _ in range(3):
+            once()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            once()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        print(f"{name:18s} {what:17s} {(time.perf_counter() - t0) / 20 * 1e6:8.1f} us")
