@@ -36,12 +36,15 @@ p.add_argument("--bucket_mb", type=float, default=512, help="sync: bucket size (
 p.add_argument("--tmp", default=None, help="sync: directory for the disk transport (default: the system's temp dir)")
 p.add_argument("--kernels", default="auto", choices=["auto", "fast", "reference"],
                help="kernels.py's fast paths (auto: on a GPU) or the plain reference")
-p.add_argument("--compile", default="off", choices=["off", "hot", "layers"],
-               help="kernels.compile_hot_paths() (hot) or kernels.compile_layers() (layers) before building the models")
+p.add_argument("--compile", default="off", choices=["off", "hot", "layers", "graphs"],
+               help="kernels.compile_hot_paths() (hot) or kernels.compile_layers() (layers; graphs: with CUDA graphs of "
+                    "each layer's forward and backward, GPU only) before building the models")
 p.add_argument("--invariant", action="store_true", help="mismatch: both sides path-invariant (model.set_invariant)")
 p.add_argument("--profile", action="store_true", help="train: print the top CUDA/CPU ops of one step of ours")
 p.add_argument("--layers", type=int, default=0, help="keep only the first N trunk layers (less memory; 0 = all)")
 cli = p.parse_args()
+if cli.compile == "graphs" and not torch.cuda.is_available():
+    p.error("--compile=graphs records CUDA graphs: it needs a GPU")
 
 
 def sync(device):
@@ -55,6 +58,7 @@ def time_train(model, ids, logits_of, steps, warmup, device):
     for i in range(warmup + steps):
         sync(device)
         t0 = time.perf_counter()
+        torch.compiler.cudagraph_mark_step_begin()  # a new step for compile's CUDA graphs (mode="reduce-overhead")
         logits = logits_of(model, ids)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         loss.backward()

@@ -124,25 +124,35 @@ def window_attention(q, kv, ckv, cmask, sink, scale, window):
 
 
 def use_compile(mode):
-    """train_grpo.py `compile`, rollout.py --serve --compile, bench.py --compile: 'off' | 'hot' | 'layers'."""
+    """train_grpo.py `compile`, rollout.py --serve --compile: 'off' | 'hot' | 'layers'; bench.py --compile also
+    'graphs' (compile_layers(graphs=True))."""
     if mode == "hot":
         compile_hot_paths()
-    elif mode == "layers":
-        compile_layers()
+    elif mode in ("layers", "graphs"):
+        compile_layers(graphs=mode == "graphs")
 
 
-def compile_layers(backend="inductor"):
+def compile_layers(backend="inductor", graphs=False):
     """`compile='layers'`: torch.compile a whole layer at a time, where the step is bound by launching small
     kernels. Block.forward (the trainer's layers and MTP) and Engine._decode_layer (one decode step of a layer)
     are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or learned router) share
     one compiled graph, since a module's parameters are inputs of the graph, not constants. The engine's
     prefill stays eager (one call per admitted batch). The first call of each kind compiles, minutes for
     bench_2b on an H200 machine; a new shape recompiles once, then runs with dynamic shapes. (The CPU tests pass
-    backend="aot_eager": the same graphs without code generation.)"""
+    backend="aot_eager": the same graphs without code generation.)
+
+    graphs=True (bench.py --compile=graphs) adds mode="reduce-overhead" to Block.forward: inductor records each
+    layer's forward and backward as CUDA graphs and replays them, so the CPU no longer launches every kernel (bench_2b's
+    training step on an H200: 169-174 ms -> 94 ms, bench/RESULTS.md). It asks more of the caller: static shapes (a
+    new shape records new graphs), no host sync inside a layer (true on one EP rank), a
+    torch.compiler.cudagraph_mark_step_begin() before each step, and each forward's backward run before the next
+    step's forward. train_grpo.py's schedule (micro-batches in flight, activation recompute inside the backward,
+    a new length every batch) has not been checked against those on a GPU, so only bench.py offers it. The engine's
+    decode keeps the default mode: it captures CUDA graphs of its own."""
     import engine
     import model_dsv4 as m
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
-    m.Block.forward = torch.compile(m.Block.forward, backend=backend)
+    m.Block.forward = torch.compile(m.Block.forward, backend=backend, mode="reduce-overhead" if graphs else None)
     engine.Engine._decode_layer = torch.compile(engine.Engine._decode_layer, backend=backend)
 
 
