@@ -136,6 +136,15 @@ def bench_decode(ours, ref, args, device, versions):
         sync(device)
         times[name] = time.perf_counter() - t0
     same = sum(a == b for a, b in zip(outputs["nano-dsv4-rl"], outputs["transformers"]))
+    # the model's step alone (on a GPU one CUDA graph replay), without sampling and scheduling on the host
+    slots, pos = torch.arange(cli.batch, device=device), torch.full((cli.batch,), cli.seq, device=device)
+    engine.decode(slots, prompts[:, 0], pos)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        engine.decode(slots, prompts[:, 0], pos)
+    sync(device)
+    t_model = (time.perf_counter() - t0) / 20
     # the floor of one step at the mean context length
     E, K, B = args.n_routed_experts, args.num_experts_per_tok, cli.batch
     touched = E * (1 - (1 - K / E) ** B)  # expected experts hit by B tokens' K picks (uniform routing)
@@ -162,18 +171,15 @@ def bench_decode(ours, ref, args, device, versions):
         print(f"  {name:14s} {n / t:10.0f} tokens/s   ({t:.2f} s, {t / cli.new_tokens * 1e3:.2f} ms/step)")
     print(f"  ratio ours / transformers: {times['transformers'] / times['nano-dsv4-rl']:.2f}x; "
           f"identical greedy outputs: {same}/{cli.batch} sequences")
-    if cli.profile:  # eager (no graphs), to see the kernels a graph replays
+    print(f"  ours, the model's decode step alone: {t_model * 1e3:.2f} ms; the rest of a step (sampling, scheduling): "
+          f"{(times['nano-dsv4-rl'] / cli.new_tokens - t_model) * 1e3:.2f} ms")
+    if cli.profile:  # the model's step alone as timed above (on a GPU the kernels of the graph it replays)
         from torch.profiler import ProfilerActivity, profile
-        eager = Engine(ours, max_batch=cli.batch, max_len=cli.seq + 16, cuda_graphs=False)
-        sp = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=0)
-        for i, p in enumerate(prompts.tolist()):
-            eager.submit(p, sp, str(i))
-        eager.step()
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
             for _ in range(4):
-                eager.step()
+                engine.decode(slots, prompts[:, 0], pos)
             sync(device)
         print_profile(prof, device, (time.perf_counter() - t0) / 4, per=4)
     print(f"  floor: {w_bytes / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV per step at {bw / 1e12:.2f} TB/s copy "

@@ -48,12 +48,47 @@ class Request:
     finish_reason: dict = None
     weight_version: str = None
     slot: int = None
-    generator: torch.Generator = None
+    seed: int = None  # the request's draws: gumbel(seed, token index) (params.seed, or a random one)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
     def prompt_tokens(self):
         return len(self.input_ids)
+
+
+def gumbel(seeds, counters, V):
+    """Gumbel noise [B, V] in fp64 for row b's draw number counters[b] under seeds[b] (int64 [B]): a counter-based
+    generator, u = hash(seed, counter, token id) -> -log(-log u). The hash: a row's state (seed and counter mixed
+    by two odd multipliers) plus the token id, times splitmix64's increment, then splitmix64's finaliser, in int64
+    arithmetic, which wraps as the unsigned original does; a right shift that would copy the sign bit is masked back
+    to a logical one. Same integers on every device, so a seed's draws are too."""
+    srl = lambda x, k: (x >> k) & ((1 << (64 - k)) - 1)
+    signed = lambda c: c - (1 << 64) if c >= 1 << 63 else c
+    row = (seeds * signed(0x9E3779B97F4A7C15) + counters) * signed(0xD1B54A32D192ED03)  # [B]
+    x = (row[:, None] + torch.arange(V, device=seeds.device)) * signed(0x9E3779B97F4A7C15)  # [B, V]
+    x = (x ^ srl(x, 30)) * signed(0xBF58476D1CE4E5B9)
+    x = (x ^ srl(x, 27)) * signed(0x94D049BB133111EB)
+    u = (srl(x ^ srl(x, 31), 11).double() + 0.5) * 2.0 ** -53  # 53 random bits, in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def sample_tokens(logits, params, draws, filtered):
+    """The device side of Engine._sample (kernels.compile_layers compiles it). logits fp32 [B, V]; params fp64
+    [B, 3]: temperature, top_p, top_k (V: off); draws int64 [B, 2]: seed, token index; filtered: some row has
+    top-p or top-k -> fp64 [2, B]: the tokens and their logprobs."""
+    V = logits.shape[1]
+    temp, top_p, top_k = params.T
+    greedy = temp < GREEDY_T
+    logprobs = (logits / torch.where(greedy, 1.0, temp).float()[:, None]).log_softmax(-1)
+    keep = logprobs
+    if filtered:
+        sorted_lp, order = logprobs.sort(dim=-1, descending=True)
+        sorted_p = sorted_lp.exp()
+        drop = torch.arange(V, device=logits.device)[None] >= top_k[:, None]
+        drop |= sorted_p.cumsum(-1) - sorted_p > top_p[:, None]  # top-p: the smallest prefix reaching top_p
+        keep = logprobs.scatter(1, order, sorted_lp.masked_fill(drop, float("-inf")))
+    token = torch.where(greedy, logprobs.argmax(-1), (keep.double() + gumbel(draws[:, 0], draws[:, 1], V)).argmax(-1))
+    return torch.stack([token.double(), logprobs.gather(1, token[:, None])[:, 0].double()])
 
 
 class KVCache:
@@ -117,8 +152,7 @@ class Engine:
             raise ValueError(f"prompt length {len(input_ids)} + max_new_tokens {params.max_new_tokens} must be "
                              f"in [1, max_len={self.max_len}]")
         req = Request(rid, list(input_ids), params)
-        req.generator = torch.Generator(device=self.device)
-        req.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        req.seed = (params.seed if params.seed is not None else torch.seed()) % 2 ** 63
         with self.wake:
             self.waiting.append(req)
             self.wake.notify()
@@ -189,9 +223,9 @@ class Engine:
             if self.running:
                 slots = sorted(self.running)
                 reqs = [self.running[s] for s in slots]
-                tokens = torch.tensor([r.output_ids[-1] for r in reqs], device=self.device)
-                pos = torch.tensor([len(r.input_ids) + len(r.output_ids) - 1 for r in reqs], device=self.device)
-                logits = self.decode(torch.tensor(slots, device=self.device), tokens, pos)
+                inputs = torch.tensor([slots, [r.output_ids[-1] for r in reqs],
+                                       [len(r.input_ids) + len(r.output_ids) - 1 for r in reqs]])
+                logits = self.decode(*inputs)  # host tensors: one copy to the device
                 self._sample(reqs, logits)
 
     def _admit(self):
@@ -233,31 +267,21 @@ class Engine:
         req.done.set()
 
     def _sample(self, reqs, logits):
-        """logits: fp32 [B, vocab], a row per request. Each row draws with its request's own generator, by an
-        exponential race (argmax of p_i / E_i, E_i ~ Exp(1), picks token i with probability p_i), so the batch is
-        sampled at once and read back to the host once. Records SGLang's logprob of the chosen token."""
+        """logits: fp32 [B, vocab], a row per request. Gumbel-max: argmax(log p_i + G_i), G_i Gumbel noise, picks
+        token i with probability p_i. Each row's noise is a function of its request's seed and token index
+        (gumbel()), so a request draws the same tokens alone or in any batch, and the whole batch is sampled by
+        one set of kernels and read back to the host once. Records SGLang's logprob of the chosen token."""
         V, dev = logits.shape[1], logits.device
-        temp = torch.tensor([r.params.temperature for r in reqs], device=dev)
-        greedy = temp < GREEDY_T
-        logprobs = (logits / torch.where(greedy, 1.0, temp)[:, None]).log_softmax(-1)
-        probs = logprobs.exp()
-        top_k = [r.params.top_k if 0 < r.params.top_k < V else V for r in reqs]
-        top_p = [r.params.top_p for r in reqs]
-        if min(top_p) < 1.0 or min(top_k) < V:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = torch.arange(V, device=dev)[None] >= torch.tensor(top_k, device=dev)[:, None]
-            # top-p: keep the smallest prefix reaching top_p
-            drop |= sorted_p.cumsum(-1) - sorted_p > torch.tensor(top_p, device=dev)[:, None]
-            probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
-        race = torch.stack([torch.empty(V, device=dev).exponential_(generator=r.generator) for r in reqs])
-        token = torch.where(greedy, logprobs.argmax(-1), (probs / race.clamp_min(1e-30)).argmax(-1))
-        chosen = torch.stack([token.double(), logprobs.gather(1, token[:, None])[:, 0].double()]).tolist()
+        params = torch.tensor([[r.params.temperature, r.params.top_p, r.params.top_k if 0 < r.params.top_k < V else V]
+                               for r in reqs], dtype=torch.float64)
+        draws = torch.tensor([[r.seed, len(r.output_ids)] for r in reqs])
+        filtered = bool(params[:, 1].min() < 1.0 or params[:, 2].min() < V)
+        chosen = sample_tokens(logits, params.to(dev), draws.to(dev), filtered).tolist()
         for req, token, lp in zip(reqs, *chosen):
             p, token = req.params, int(token)
             req.output_ids.append(token)
             req.output_logprobs.append(lp)
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else {self.eos_token_id})
-            if token in stops:
+            if token in p.stop_token_ids or (token == self.eos_token_id and not p.ignore_eos):
                 self._finish(req, {"type": "stop", "matched": token})
             elif len(req.output_ids) >= p.max_new_tokens:
                 self._finish(req, {"type": "length", "length": len(req.output_ids)})
@@ -307,29 +331,30 @@ class Engine:
                 self.graphs = self.graphs and {}  # {} or None as before, without the stale captures
 
     def decode(self, slots, tokens, pos):
-        """One token per sequence. slots, tokens, pos: [B] -> fp32 logits [B, vocab].
+        """One token per sequence. slots, tokens, pos: int64 [B] (on any device) -> fp32 logits [B, vocab].
         On a GPU this replays a CUDA graph of _decode captured for the smallest batch bucket >= B (the padding
         rows decode into the scratch slot): one launch instead of thousands, which is what bounds decode there."""
         B = len(slots)
         self._stack_experts()  # here, not in the MoE: compiled code and CUDA graphs read the stack as given
         if self.graphs is None:
-            return self._decode(slots, tokens, pos)
+            return self._decode(*(t.to(self.device) for t in (slots, tokens, pos)))
         bucket = next(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, self.max_batch) if b >= B)
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
         g = self.graphs[bucket]
-        g.slots.fill_(self.max_batch)
-        g.tokens.zero_()
-        g.pos.zero_()
-        g.slots[:B], g.tokens[:B], g.pos[:B] = slots, tokens, pos
+        host = torch.zeros(3, bucket, dtype=torch.long)
+        host[0] = self.max_batch  # the padding rows: the scratch slot, token 0, position 0
+        host[0, :B], host[1, :B], host[2, :B] = slots, tokens, pos
+        g.inputs.copy_(host)
         g.graph.replay()
         return g.out[:B]
 
     def _capture(self, bucket):
         """Record _decode for `bucket` rows on static input tensors, after two warm-up runs on a side stream."""
         g = type("Graph", (), {})()
-        g.slots = torch.full((bucket,), self.max_batch, device=self.device)
-        g.tokens, g.pos = (torch.zeros(bucket, dtype=torch.long, device=self.device) for _ in range(2))
+        g.inputs = torch.zeros(3, bucket, dtype=torch.long, device=self.device)
+        g.inputs[0] = self.max_batch
+        g.slots, g.tokens, g.pos = g.inputs  # views: decode() writes all three with one copy
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -135,7 +135,7 @@ def use_compile(mode):
 def compile_layers(backend="inductor", graphs=False):
     """`compile='layers'`: torch.compile a whole layer at a time, where the step is bound by launching small
     kernels. Block.forward (the trainer's layers and MTP) and Engine._decode_layer (one decode step of a layer)
-    are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or learned router) share
+    are swapped for compiled versions, and so is the engine's sampler (engine.sample_tokens); layers of one kind (window / CSA / HCA, hash or learned router) share
     one compiled graph, since a module's parameters are inputs of the graph, not constants. The engine's
     prefill stays eager (one call per admitted batch). The first call of each kind compiles, minutes for
     bench_2b on an H200 machine; a new shape recompiles once, then runs with dynamic shapes. (The CPU tests pass
@@ -154,6 +154,7 @@ def compile_layers(backend="inductor", graphs=False):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
     m.Block.forward = torch.compile(m.Block.forward, backend=backend, mode="reduce-overhead" if graphs else None)
     engine.Engine._decode_layer = torch.compile(engine.Engine._decode_layer, backend=backend)
+    engine.sample_tokens = torch.compile(engine.sample_tokens, backend=backend)  # the Gumbel noise: one kernel
 
 
 def compile_hot_paths():

@@ -564,11 +564,35 @@ def hc_split_sinkhorn(mixes, scale, base, n, iters, eps):
     post = 2 * torch.sigmoid(post * scale[1] + base[n:2 * n])
     comb = comb.unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n)
     comb = comb.softmax(dim=-1) + eps
+    if torch.compiler.is_compiling():  # the same loop on each entry as its own tensor (below)
+        return pre, post, sinkhorn_entries(comb, iters, eps)
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return pre, post, comb
+
+
+def sinkhorn_entries(comb, iters, eps):
+    """hc_split_sinkhorn's loop with each of the n x n entries as its own tensor and each row or column sum
+    written as additions: pointwise work only, which inductor fuses into a few kernels, where the batched loop's
+    2 * iters small reductions compile to some 40 kernels of ~1 µs each (most of the kernels of a decode step).
+    Eager, the batched loop is faster. comb [..., n, n] -> [..., n, n]"""
+    n = comb.shape[-1]
+    c = [[comb[..., i, j] for j in range(n)] for i in range(n)]  # c[i][j]: row i, column j
+
+    def by_cols(c):
+        s = [sum([c[i][j] for i in range(1, n)], c[0][j]) + eps for j in range(n)]
+        return [[c[i][j] / s[j] for j in range(n)] for i in range(n)]
+
+    def by_rows(c):
+        s = [sum(row[1:], row[0]) + eps for row in c]
+        return [[x / s[i] for x in row] for i, row in enumerate(c)]
+
+    c = by_cols(c)
+    for _ in range(iters - 1):
+        c = by_cols(by_rows(c))
+    return torch.stack([torch.stack(row, -1) for row in c], -2)
 
 
 def hc_mixes(x, fn, norm_eps):

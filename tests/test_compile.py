@@ -25,14 +25,14 @@ def compile_layers():
     import engine
     import kernels
     import model_dsv4
-    saved = model_dsv4.Block.forward, engine.Engine._decode_layer
+    saved = model_dsv4.Block.forward, engine.Engine._decode_layer, engine.sample_tokens
 
     def on(graphs=False):
         torch._dynamo.reset()
         kernels.compile_layers(backend="inductor" if CUDA else "aot_eager", graphs=graphs)
         return torch._dynamo.utils.counters
     yield on
-    model_dsv4.Block.forward, engine.Engine._decode_layer = saved
+    model_dsv4.Block.forward, engine.Engine._decode_layer, engine.sample_tokens = saved
     torch._dynamo.reset()
 
 
@@ -116,6 +116,28 @@ def test_compile_layers_decode_as_close_as_eager(compile_layers):
     compiled = gap(Engine(model, max_batch=4, max_len=80).generate(prompts, params))
     assert counters["stats"]["unique_graphs"] >= 2
     assert compiled <= 2 * eager + 0.01, (compiled, eager)
+
+
+def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
+    """What compile_layers swaps in for the engine's sampler draws the eager sampler's tokens, and the Sinkhorn loop
+    that compiled code takes (model_dsv4.sinkhorn_entries, one tensor per entry) gives the batched loop's mixes."""
+    import engine
+    from model_dsv4 import hc_split_sinkhorn
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 500, generator=g) * 3
+    params = torch.tensor([[1.0, 1.0, 500], [0.5, 1.0, 500], [0.0, 1.0, 500], [1.0, 0.9, 500], [1.0, 1.0, 7],
+                           [0.7, 0.8, 20]], dtype=torch.float64)  # temperature, top_p, top_k
+    draws = torch.tensor([[11, 0], [12, 5], [13, 9], [2 ** 62, 1], [5, 100], [6, 3]])  # seed, token index
+    eager = engine.sample_tokens
+    want = [eager(logits[:k], params[:k], draws[:k], k > 3) for k in (3, 6)]
+    compile_layers()
+    assert engine.sample_tokens is not eager
+    for k, w in zip((3, 6), want):
+        got = engine.sample_tokens(logits[:k], params[:k], draws[:k], k > 3)
+        assert torch.equal(got[0], w[0]) and (got[1] - w[1]).abs().max() < 1e-5
+    args = (torch.randn(2, 7, 24, generator=g), torch.randn(3, generator=g), torch.randn(24, generator=g), 4, 20, 1e-6)
+    for a, b in zip(hc_split_sinkhorn(*args), torch.compile(hc_split_sinkhorn, backend="aot_eager")(*args)):
+        assert (a - b).abs().max() < 1e-6
 
 
 CPU_ONLY = pytest.mark.skipif(CUDA, reason="the refusal is for machines without a GPU")

@@ -89,6 +89,40 @@ def test_sampling_semantics():
     assert r.output_ids == [first] and r.finish_reason == {"type": "stop", "matched": first}
 
 
+def splitmix64_uniform(seed, counter, token):
+    """The reference for engine.gumbel's hash, in Python's unbounded integers taken mod 2^64."""
+    m, G = (1 << 64) - 1, 0x9E3779B97F4A7C15
+    x = (((seed * G + counter) * 0xD1B54A32D192ED03 + token) * G) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return ((x ^ (x >> 31)) >> 11) * 2.0 ** -53 + 2.0 ** -54
+
+
+def test_gumbel_noise_is_splitmix64_and_sampling_follows_the_distribution():
+    from engine import Request, gumbel
+    seeds = torch.tensor([0, 1, 3, 2 ** 62 + 12345, 2 ** 63 - 1])
+    counters = torch.tensor([0, 7, 1 << 20, 5, 999])
+    u = torch.exp(-torch.exp(-gumbel(seeds, counters, 300)))
+    want = torch.tensor([[splitmix64_uniform(s, c, v) for v in range(300)] for s, c in zip(seeds.tolist(), counters.tolist())],
+                        dtype=torch.float64)
+    assert (u - want).abs().max() < 1e-12
+    # 6000 draws, one per seed, of a known distribution: temperature 1, temperature 0.5, and top-k 2
+    engine = Engine(model_of(TINY), max_batch=8, max_len=64)
+    p = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    for params, q in [(SamplingParams(), p), (SamplingParams(temperature=0.5), p ** 2),
+                      (SamplingParams(top_k=2), torch.tensor([0.4, 0.3, 0, 0, 0]))]:
+        reqs = [Request(str(s), [1], params, seed=s) for s in range(6000)]
+        engine._sample(reqs, p.log().expand(len(reqs), -1))
+        freq = torch.bincount(torch.tensor([r.output_ids[0] for r in reqs]), minlength=5).double()
+        expect = q.double() / q.sum() * len(reqs)
+        seen = expect > 0
+        assert freq[~seen].sum() == 0
+        chi2 = ((freq - expect)[seen] ** 2 / expect[seen]).sum()
+        assert chi2 < 20, (params, freq, expect)  # 4 degrees of freedom at most: p < 1e-3
+        lp = (p.log() / params.temperature).log_softmax(-1)  # SGLang's logprob: tempered, before top-k
+        assert max(abs(r.output_logprobs[0] - lp[r.output_ids[0]].item()) for r in reqs[:50]) < 1e-5
+
+
 def test_abort_and_bad_input():
     model = model_of(TINY)
     engine = Engine(model, max_batch=2, max_len=64)

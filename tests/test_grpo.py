@@ -106,8 +106,12 @@ def test_smoke_and_resume_equals_uninterrupted(tmp_path):
     for k in ("reward_mean", "response_len_mean", "loss", "grad_norm"):
         assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-8), k
     assert abs(a["logprob_abs_diff"] - b["logprob_abs_diff"]) < 1e-6
+    # Those 7th-digit logprobs reach the weights through the TIS weights, and AdamW divides each update by the root
+    # of its second moment, which for entries with a gradient near zero turns them into differences of a few 1e-6
+    # after 3 steps of lr 3e-3 (up to 2.8e-6 measured; exactly 0 when both runs' requests batch alike). A resume
+    # that lost optimizer state or the data cursor would move them by the order of one update (~lr, 3e-3).
     wa, wb = weights(tmp_path / "a" / "ckpt_000002"), weights(tmp_path / "b" / "ckpt_000002")
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 2e-5
     assert full[0]["ratio_abs_dev"] == 0.0 and full[0]["pg_clipfrac"] == 0.0  # strictly on-policy
 
 
