@@ -225,7 +225,7 @@ class Engine:
                 reqs = [self.running[s] for s in slots]
                 inputs = torch.tensor([slots, [r.output_ids[-1] for r in reqs],
                                        [len(r.input_ids) + len(r.output_ids) - 1 for r in reqs]])
-                logits = self.decode(*inputs)  # host tensors: one copy to the device
+                logits = self.decode(*inputs)  # host tensors: with CUDA graphs, one copy to the device
                 self._sample(reqs, logits)
 
     def _admit(self):

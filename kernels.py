@@ -134,12 +134,12 @@ def use_compile(mode):
 
 def compile_layers(backend="inductor", graphs=False):
     """`compile='layers'`: torch.compile a whole layer at a time, where the step is bound by launching small
-    kernels. Block.forward (the trainer's layers and MTP) and Engine._decode_layer (one decode step of a layer)
-    are swapped for compiled versions, and so is the engine's sampler (engine.sample_tokens); layers of one kind (window / CSA / HCA, hash or learned router) share
-    one compiled graph, since a module's parameters are inputs of the graph, not constants. The engine's
-    prefill stays eager (one call per admitted batch). The first call of each kind compiles, minutes for
-    bench_2b on an H200 machine; a new shape recompiles once, then runs with dynamic shapes. (The CPU tests pass
-    backend="aot_eager": the same graphs without code generation.)
+    kernels. Block.forward (the trainer's layers and MTP), Engine._decode_layer (one decode step of a layer) and
+    the engine's sampler (engine.sample_tokens) are swapped for compiled versions; layers of one kind (window /
+    CSA / HCA, hash or learned router) share one compiled graph, since a module's parameters are inputs of the
+    graph, not constants. The engine's prefill stays eager (one call per admitted batch). The first call of each
+    kind compiles, minutes for bench_2b on an H200 machine; a new shape recompiles once, then runs with dynamic
+    shapes. (The CPU tests pass backend="aot_eager": the same graphs without code generation.)
 
     graphs=True (bench.py --compile=graphs) adds mode="reduce-overhead" to Block.forward: inductor records each
     layer's forward and backward as CUDA graphs and replays them, so the CPU no longer launches every kernel (bench_2b's
