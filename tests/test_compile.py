@@ -120,7 +120,8 @@ def test_compile_layers_decode_as_close_as_eager(compile_layers):
 
 def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
     """What compile_layers swaps in for the engine's sampler draws the eager sampler's tokens, and the Sinkhorn loop
-    that compiled code takes (model_dsv4.sinkhorn_entries, one tensor per entry) gives the batched loop's mixes."""
+    that compiled code takes without autograd (model_dsv4.sinkhorn_entries, one tensor per entry) gives the batched
+    loop's mixes, and compiled code with autograd keeps the batched loop."""
     import engine
     from model_dsv4 import hc_split_sinkhorn
     g = torch.Generator().manual_seed(3)
@@ -136,8 +137,17 @@ def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
         got = engine.sample_tokens(logits[:k], params[:k], draws[:k], k > 3)
         assert torch.equal(got[0], w[0]) and (got[1] - w[1]).abs().max() < 1e-5
     args = (torch.randn(2, 7, 24, generator=g), torch.randn(3, generator=g), torch.randn(24, generator=g), 4, 20, 1e-6)
-    for a, b in zip(hc_split_sinkhorn(*args), torch.compile(hc_split_sinkhorn, backend="aot_eager")(*args)):
-        assert (a - b).abs().max() < 1e-6
+    want = hc_split_sinkhorn(*args)
+    counts = {}
+    for grad in (False, True):
+        torch._dynamo.reset()
+        with torch.set_grad_enabled(grad):
+            graph = torch._dynamo.explain(hc_split_sinkhorn)(*args).graphs[0]
+            got = torch.compile(hc_split_sinkhorn, backend="aot_eager")(*args)
+        counts[grad] = sum(n.target is torch.stack for n in graph.graph.nodes)  # sinkhorn_entries stacks its entries
+        for a, b in zip(want, got):
+            assert (a - b).abs().max() < 1e-6
+    assert counts == {False: 5, True: 0}, counts
 
 
 CPU_ONLY = pytest.mark.skipif(CUDA, reason="the refusal is for machines without a GPU")
