@@ -127,14 +127,20 @@ def bench_decode(ours, ref, args, device, versions):
                                min_new_tokens=n, do_sample=False, pad_token_id=0)
         return out[:, cli.seq:].tolist()
 
+    n = cli.batch * cli.new_tokens
+    print(f"greedy decode, {cli.model}, batch {cli.batch}, prompt {cli.seq}, {cli.new_tokens} new tokens, "
+          f"{cli.dtype}, {versions}", flush=True)
     times, outputs = {}, {}
     for name, fn in (("nano-dsv4-rl", run_ours), ("transformers", run_ref)):
-        fn(min(cli.new_tokens, 8))  # warm-up (and the engine's CUDA graph capture)
-        sync(device)
         t0 = time.perf_counter()
+        fn(min(cli.new_tokens, 8))  # warm-up (and the engine's compile and CUDA graph capture)
+        sync(device)
+        t1 = time.perf_counter()
         outputs[name] = fn(cli.new_tokens)
         sync(device)
-        times[name] = time.perf_counter() - t0
+        times[name] = t = time.perf_counter() - t1
+        print(f"  {name:14s} {n / t:10.0f} tokens/s   ({t:.2f} s, {t / cli.new_tokens * 1e3:.2f} ms/step; "
+              f"warm-up {t1 - t0:.0f} s)", flush=True)
     same = sum(a == b for a, b in zip(outputs["nano-dsv4-rl"], outputs["transformers"]))
     # the model's step alone (on a GPU one CUDA graph replay), without sampling and scheduling on the host
     slots, pos = torch.arange(cli.batch, device=device), torch.full((cli.batch,), cli.seq, device=device)
@@ -164,11 +170,6 @@ def bench_decode(ours, ref, args, device, versions):
     sync(device)
     bw = 2 * 10 * buf.numel() / (time.perf_counter() - t0)  # read + write
     floor = (w_bytes + kv) / bw
-    n = cli.batch * cli.new_tokens
-    print(f"greedy decode, {cli.model}, batch {cli.batch}, prompt {cli.seq}, {cli.new_tokens} new tokens, "
-          f"{cli.dtype}, {versions}")
-    for name, t in times.items():
-        print(f"  {name:14s} {n / t:10.0f} tokens/s   ({t:.2f} s, {t / cli.new_tokens * 1e3:.2f} ms/step)")
     print(f"  ratio ours / transformers: {times['transformers'] / times['nano-dsv4-rl']:.2f}x; "
           f"identical greedy outputs: {same}/{cli.batch} sequences")
     print(f"  ours, the model's decode step alone: {t_model * 1e3:.2f} ms; the rest of a step (sampling, scheduling): "

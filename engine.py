@@ -144,6 +144,7 @@ class Engine:
         self.lock = threading.Lock()  # held while stepping: weight swaps take it
         self.wake = threading.Condition()
         self.waiting, self.running = deque(), {}  # running: slot -> Request
+        self.inflight = None  # the last decode's sampled tokens, not yet applied (step)
         self.paused = False
 
     # ------------------------------------------------------------------ public, thread-safe
@@ -172,6 +173,7 @@ class Engine:
     def pause(self):
         with self.lock:  # returns once the current step is over
             self.paused = True
+            self._drain()
 
     def resume(self):
         with self.wake:
@@ -191,6 +193,7 @@ class Engine:
         if bad:
             raise ValueError("cannot load weights: " + "; ".join(bad))
         with self.lock:
+            self._drain()
             for k, v in named_tensors.items():
                 sd[k].copy_(v.to(sd[k].device, sd[k].dtype))
 
@@ -214,19 +217,39 @@ class Engine:
     # ------------------------------------------------------------------ scheduling
     @torch.no_grad()
     def step(self):
-        """Admit waiting requests into free slots (prefill), then decode one token for every running one."""
+        """Admit waiting requests into free slots (prefill), then decode one token for every running one.
+        Overlapped: this step's decode starts from the last step's tokens where they lie on the device, and only
+        then are those tokens read back and applied (appended, stops checked), so the device decodes while the host
+        does its per-request work. A request that stops on EOS or a stop token has had one more token decoded,
+        which is dropped; one that reaches max_new_tokens is known to and left out of the next decode."""
         with self.lock, self.model.numerics():
             if self.paused:
                 return
             self._finish_aborted()
             self._admit()
-            if self.running:
-                slots = sorted(self.running)
-                reqs = [self.running[s] for s in slots]
-                inputs = torch.tensor([slots, [r.output_ids[-1] for r in reqs],
-                                       [len(r.input_ids) + len(r.output_ids) - 1 for r in reqs]])
-                logits = self.decode(*inputs)  # host tensors: with CUDA graphs, one copy to the device
-                self._sample(reqs, logits)
+            prev, self.inflight = self.inflight, None
+            ahead = {} if prev is None else {id(r): i for i, r in enumerate(prev.reqs) if not r.done.is_set()}
+            reqs = [r for _, r in sorted(self.running.items())
+                    if len(r.output_ids) + (id(r) in ahead) < r.params.max_new_tokens]
+            if reqs:
+                k = torch.tensor([id(r) in ahead for r in reqs], dtype=torch.long)  # 1: its last token is in flight
+                rows = torch.tensor([[r.slot for r in reqs], [r.output_ids[-1] for r in reqs],
+                                     [len(r.input_ids) + len(r.output_ids) - 1 for r in reqs],
+                                     [ahead.get(id(r), 0) for r in reqs]])
+                tokens = rows[1]
+                if prev is not None and k.any():  # in-flight tokens, gathered on the device
+                    src = rows[1:4:2].to(self.device, non_blocking=True)
+                    tokens = torch.where(k.to(self.device, non_blocking=True).bool(), prev.tokens[src[1]], src[0])
+                logits = self.decode(rows[0], tokens, rows[2] + k)
+                self.inflight = self._launch_sample(reqs, logits, k)
+            if prev is not None:
+                self._apply(prev)
+
+    def _drain(self):
+        """Apply the tokens still in flight (before a weight swap or a pause, so a finish names the old version)."""
+        prev, self.inflight = self.inflight, None
+        if prev is not None:
+            self._apply(prev)
 
     def _admit(self):
         with self.wake:
@@ -251,7 +274,7 @@ class Engine:
             if src is not req:
                 self.cache.copy(src.slot, req.slot)
             self.running[req.slot] = req
-        self._sample(batch, torch.stack([logits[id(first[tuple(r.input_ids)])] for r in batch]))
+        self._apply(self._launch_sample(batch, torch.stack([logits[id(first[tuple(r.input_ids)])] for r in batch])))
 
     def _finish_aborted(self):
         with self.wake:
@@ -266,18 +289,36 @@ class Engine:
         self.running.pop(req.slot, None)
         req.done.set()
 
-    def _sample(self, reqs, logits):
-        """logits: fp32 [B, vocab], a row per request. Gumbel-max: argmax(log p_i + G_i), G_i Gumbel noise, picks
-        token i with probability p_i. Each row's noise is a function of its request's seed and token index
-        (gumbel()), so a request draws the same tokens alone or in any batch, and the whole batch is sampled by
-        one set of kernels and read back to the host once. Records SGLang's logprob of the chosen token."""
+    def _launch_sample(self, reqs, logits, ahead=None):
+        """logits: fp32 [B, vocab], a row per request; ahead: int64 [B], 1 where the request's last token is still
+        in flight (this draw is its next one). Gumbel-max: argmax(log p_i + G_i), G_i Gumbel noise, picks token i
+        with probability p_i. Each row's noise is a function of its request's seed and token index (gumbel()), so a
+        request draws the same tokens alone or in any batch, and the whole batch is sampled by one set of kernels.
+        Nothing waits here: the tokens stay on the device for the next decode and are copied back (to pinned memory
+        on a GPU) behind an event; _apply reads them. Also SGLang's logprob of the chosen token."""
         V, dev = logits.shape[1], logits.device
         params = torch.tensor([[r.params.temperature, r.params.top_p, r.params.top_k if 0 < r.params.top_k < V else V]
                                for r in reqs], dtype=torch.float64)
         draws = torch.tensor([[r.seed, len(r.output_ids)] for r in reqs])
+        if ahead is not None:
+            draws[:, 1] += ahead
         filtered = bool(params[:, 1].min() < 1.0 or params[:, 2].min() < V)
-        chosen = sample_tokens(logits, params.to(dev), draws.to(dev), filtered).tolist()
-        for req, token, lp in zip(reqs, *chosen):
+        chosen = sample_tokens(logits, params.to(dev, non_blocking=True), draws.to(dev, non_blocking=True), filtered)
+        out = type("InFlight", (), {})()
+        out.reqs, out.tokens, out.host = reqs, chosen[0].long(), chosen.to("cpu", non_blocking=True)
+        out.event = torch.cuda.Event() if chosen.is_cuda else None
+        if out.event is not None:
+            out.event.record()
+        return out
+
+    def _apply(self, chosen):
+        """Append the sampled tokens of a _launch_sample to their requests and finish those that stop; requests
+        finished or aborted meanwhile are skipped."""
+        if chosen.event is not None:
+            chosen.event.synchronize()
+        for req, token, lp in zip(chosen.reqs, *chosen.host.tolist()):
+            if req.done.is_set():
+                continue
             p, token = req.params, int(token)
             req.output_ids.append(token)
             req.output_logprobs.append(lp)
@@ -337,15 +378,19 @@ class Engine:
         B = len(slots)
         self._stack_experts()  # here, not in the MoE: compiled code and CUDA graphs read the stack as given
         if self.graphs is None:
-            return self._decode(*(t.to(self.device) for t in (slots, tokens, pos)))
+            return self._decode(*(t.to(self.device, non_blocking=True) for t in (slots, tokens, pos)))
         bucket = next(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, self.max_batch) if b >= B)
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
         g = self.graphs[bucket]
         host = torch.zeros(3, bucket, dtype=torch.long)
         host[0] = self.max_batch  # the padding rows: the scratch slot, token 0, position 0
-        host[0, :B], host[1, :B], host[2, :B] = slots, tokens, pos
-        g.inputs.copy_(host)
+        host[0, :B], host[2, :B] = slots, pos
+        if tokens.device.type == "cpu":
+            host[1, :B] = tokens
+        g.inputs.copy_(host, non_blocking=True)  # a blocking copy would wait for the decode still running
+        if tokens.device.type != "cpu":
+            g.tokens[:B].copy_(tokens)
         g.graph.replay()
         return g.out[:B]
 

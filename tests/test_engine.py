@@ -112,7 +112,7 @@ def test_gumbel_noise_is_splitmix64_and_sampling_follows_the_distribution():
     for params, q in [(SamplingParams(), p), (SamplingParams(temperature=0.5), p ** 2),
                       (SamplingParams(top_k=2), torch.tensor([0.4, 0.3, 0, 0, 0]))]:
         reqs = [Request(str(s), [1], params, seed=s) for s in range(6000)]
-        engine._sample(reqs, p.log().expand(len(reqs), -1))
+        engine._apply(engine._launch_sample(reqs, p.log().expand(len(reqs), -1)))
         freq = torch.bincount(torch.tensor([r.output_ids[0] for r in reqs]), minlength=5).double()
         expect = q.double() / q.sum() * len(reqs)
         seen = expect > 0
@@ -121,6 +121,33 @@ def test_gumbel_noise_is_splitmix64_and_sampling_follows_the_distribution():
         assert chi2 < 20, (params, freq, expect)  # 4 degrees of freedom at most: p < 1e-3
         lp = (p.log() / params.temperature).log_softmax(-1)  # SGLang's logprob: tempered, before top-k
         assert max(abs(r.output_logprobs[0] - lp[r.output_ids[0]].item()) for r in reqs[:50]) < 1e-5
+
+
+def test_overlapped_steps_drop_the_token_after_a_stop():
+    """A step decodes from the last step's tokens before reading them back (Engine.step), so a request that hits a
+    stop token has one token decoded past it: dropped, and its slot goes to a waiting request. Greedy outputs with
+    stops must be the no-stop outputs cut after the stop's first occurrence."""
+    model = model_of(TINY)
+    prompts = [[1, 2, 3], [4] * 9, [7, 8], [9, 9, 9, 9, 9]]
+    free = Engine(model, max_batch=4, max_len=64).generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
+    stops = [r.output_ids[2 + 3 * i] for i, r in enumerate(free)]  # each stops at a different step
+    engine = Engine(model, max_batch=2, max_len=64)  # two slots for four requests
+    reqs = [engine.submit(p, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True,
+                                            stop_token_ids=[t]), str(i)) for i, (p, t) in enumerate(zip(prompts, stops))]
+    engine.step()  # prefill (first tokens applied at once), then the first decode, left in flight
+    assert engine.inflight is not None and all(len(r.output_ids) == 1 for r in reqs[:2])
+    while not all(r.done.is_set() for r in reqs):
+        engine.step()
+    for r, f, t in zip(reqs, free, stops):
+        cut = f.output_ids.index(t) + 1
+        assert r.output_ids == f.output_ids[:cut] and r.finish_reason == {"type": "stop", "matched": t}
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), torch.tensor(f.output_logprobs[:cut]))
+    r = engine.submit([5, 5], SamplingParams(max_new_tokens=8, ignore_eos=True), "p")
+    engine.step()
+    engine.step()
+    engine.pause()  # applies what is in flight: a weight swap after it sees every sampled token
+    assert engine.inflight is None and len(r.output_ids) == 3
 
 
 def test_abort_and_bad_input():

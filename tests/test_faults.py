@@ -49,7 +49,11 @@ def same_run(out, reference):
     secs = lambda rs: [(round(r["t_rollout"], 1), round(r["t_sync"], 1)) for r in rs]
     print(f"{out.name}: max |weight - uninterrupted| {diff:.1e}; (rollout s, sync s) per step {secs(recs)}, "
           f"uninterrupted {secs(ref)}")
-    assert diff <= 1e-6
+    # 2e-5, as tests/test_grpo.py's resume test and for the same reason: a restarted generation batches its
+    # requests unlike the uninterrupted one, engine logprobs move in the 7th digit, and AdamW turns that into a few
+    # 1e-6 in weights whose gradient is near zero (8.2e-6 seen after a mid-generation kill, 0 when they batch alike);
+    # lost data or optimizer state would move them by about one update (lr 3e-3)
+    assert diff <= 2e-5
 
 
 @pytest.fixture(scope="module")
