@@ -238,7 +238,7 @@ class Engine:
                                      [ahead.get(id(r), 0) for r in reqs]])
                 tokens = rows[1]
                 if prev is not None and k.any():  # in-flight tokens, gathered on the device
-                    src = rows[1:4:2].to(self.device, non_blocking=True)
+                    src = rows[[1, 3]].to(self.device, non_blocking=True)  # host tokens, rows of prev.tokens
                     tokens = torch.where(k.to(self.device, non_blocking=True).bool(), prev.tokens[src[1]], src[0])
                 logits = self.decode(rows[0], tokens, rows[2] + k)
                 self.inflight = self._launch_sample(reqs, logits, k)
@@ -307,7 +307,7 @@ class Engine:
         out = type("InFlight", (), {})()
         out.reqs, out.tokens, out.host = reqs, chosen[0].long(), chosen.to("cpu", non_blocking=True)
         out.event = torch.cuda.Event() if chosen.is_cuda else None
-        if out.event is not None:
+        if chosen.is_cuda:
             out.event.record()
         return out
 
@@ -389,7 +389,7 @@ class Engine:
         if tokens.device.type == "cpu":
             host[1, :B] = tokens
         g.inputs.copy_(host, non_blocking=True)  # a blocking copy would wait for the decode still running
-        if tokens.device.type != "cpu":
+        if tokens.device.type != "cpu":  # the last step's tokens, gathered on the device (step)
             g.tokens[:B].copy_(tokens)
         g.graph.replay()
         return g.out[:B]
@@ -399,7 +399,7 @@ class Engine:
         g = type("Graph", (), {})()
         g.inputs = torch.zeros(3, bucket, dtype=torch.long, device=self.device)
         g.inputs[0] = self.max_batch
-        g.slots, g.tokens, g.pos = g.inputs  # views: decode() writes all three with one copy
+        g.slots, g.tokens, g.pos = g.inputs  # views: decode() writes all three with one copy (host tokens)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
