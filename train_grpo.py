@@ -42,7 +42,8 @@ import parallel
 from memory_plan import plan_table
 import weight_sync as wsync
 from eval_aime import evaluate, load_problems, math_reward, overlong_penalty
-from grpo import group_advantages, grpo_loss, keep_group, make_microbatches, token_logprobs
+import grpo  # its losses are looked up there: compile='layers' swaps them for compiled ones
+from grpo import group_advantages, keep_group, make_microbatches
 from checkpoint import load_weights
 from model_dsv4 import ModelArgs
 from rollout import RolloutClient
@@ -413,7 +414,7 @@ if data == 'toy' and format_warmup_steps and start_step == 0:
         groups = [(p, [{'output_ids': r, 'logprobs': [0.0] * len(r)}], [1.0]) for p, r in pairs]
         norm = len(pairs) * grid.dp_size
         mbs = make_microbatches(groups, 2, float(norm), loss_agg, grid.device)
-        m = parallel.train_step(model, grid, opt, mbs, lambda lg, mb: -(token_logprobs(lg, mb) * mb['weight'] * mb['mask']).sum(),
+        m = parallel.train_step(model, grid, opt, mbs, lambda lg, mb: -(grpo.token_logprobs(lg, mb) * mb['weight'] * mb['mask']).sum(),
                                 grad_clip, recompute=recompute)
     opt = new_optimizer()  # GRPO starts with fresh moments
     sync_weights()
@@ -466,10 +467,10 @@ for step in range(start_step, max_steps):
             part = groups[mini::n_minibatches] if n_minibatches > 1 else groups
             mbs = make_microbatches(part, min(n_micro, len(part) * n_samples), norm / n_minibatches, loss_agg, grid.device)
             if n_minibatches > 1:  # the old policy's logprobs, before any of this rollout's updates
-                for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, token_logprobs) or [None] * len(mbs)):
+                for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, grpo.token_logprobs) or [None] * len(mbs)):
                     if lp is not None:
                         mb['old_lp'] = lp
-            loss_fn = lambda lg, mb: grpo_loss(lg, mb, eps_low, eps_high, tis_cap, kl_coef, entropy_coef)
+            loss_fn = lambda lg, mb: grpo.grpo_loss(lg, mb, eps_low, eps_high, tis_cap, kl_coef, entropy_coef)
             m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip, recompute=recompute)
             rec['grad_norm'] = m['grad_norm']
             if m['skipped']:  # the same verdict on every rank

@@ -23,16 +23,17 @@ def compile_layers():
     aot_eager (the same graphs, autograd and cache writes, run without code generation: inductor's C++ build
     takes minutes on 2 cores); on a GPU inductor."""
     import engine
+    import grpo
     import kernels
     import model_dsv4
-    saved = model_dsv4.Block.forward, engine.Engine._decode_layer, engine.sample_tokens
+    saved = model_dsv4.Block.forward, engine.Engine._decode_layer, engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs
 
     def on(graphs=False):
         torch._dynamo.reset()
         kernels.compile_layers(backend="inductor" if CUDA else "aot_eager", graphs=graphs)
         return torch._dynamo.utils.counters
     yield on
-    model_dsv4.Block.forward, engine.Engine._decode_layer, engine.sample_tokens = saved
+    model_dsv4.Block.forward, engine.Engine._decode_layer, engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs = saved
     torch._dynamo.reset()
 
 
@@ -148,6 +149,40 @@ def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
         for a, b in zip(want, got):
             assert (a - b).abs().max() < 1e-6
     assert counts == {False: 5, True: 0}, counts
+
+
+def test_compiled_grpo_losses_equal_eager(compile_layers):
+    """The GRPO losses compile_layers compiles (grpo.grpo_loss with KL and entropy terms, grpo.token_logprobs): the
+    loss, every metric and the logits' gradient as eager's, fp32, two sequence lengths (the second compiles with
+    dynamic shapes)."""
+    import grpo
+    g = torch.Generator().manual_seed(7)
+    runs = []
+    for T in (40, 57):
+        logits = torch.randn(2, T, 300, generator=g) * 4
+        mb = {"tgt": torch.randint(0, 300, (2, T), generator=g), "mask": torch.rand(2, T, generator=g) < 0.8,
+              "adv": torch.randn(2, 1, generator=g).expand(2, T), "rollout_lp": -torch.rand(2, T, generator=g) * 3,
+              "ref_lp": -torch.rand(2, T, generator=g) * 3, "weight": torch.full((2, T), 0.01),
+              "first": torch.zeros(2, T, dtype=torch.bool)}
+        mb["first"][:, 3] = True
+        runs.append((logits, mb))
+    eager_fns = grpo.grpo_loss, grpo.token_logprobs
+    counters = compile_layers()
+    assert grpo.grpo_loss is not eager_fns[0] and grpo.token_logprobs is not eager_fns[1]
+    for logits, mb in runs:
+        out = []
+        for loss_fn, lp_fn in (eager_fns, (grpo.grpo_loss, grpo.token_logprobs)):
+            x = logits.clone().requires_grad_()
+            loss, metrics = loss_fn(x, mb, kl_coef=0.05, entropy_coef=0.01)
+            lp = lp_fn(x, mb)
+            (gx,) = torch.autograd.grad(loss + lp.sum() * 1e-3, [x])
+            out.append((loss, lp, gx, metrics))
+        (l0, lp0, g0, m0), (l1, lp1, g1, m1) = out
+        torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-7)
+        assert m1.keys() == m0.keys() and all(torch.allclose(m1[k].float(), m0[k].float(), rtol=1e-5, atol=1e-5) for k in m0)
+    assert counters["stats"]["unique_graphs"] >= 2  # both ran compiled, whole (no graph break: explain() says none)
 
 
 CPU_ONLY = pytest.mark.skipif(CUDA, reason="the refusal is for machines without a GPU")
