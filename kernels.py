@@ -52,12 +52,15 @@ def linear_f32(x, w):
 
 
 def split_bf16(t, parts=3):
-    """fp32 t -> `parts` bf16 tensors that sum to t: each the bf16 rounding of what the ones before left over (the
-    remainders are exact in fp32). Three parts carry 24 significant bits, fp32's own."""
+    """fp32 t -> `parts` bf16 tensors that sum to t: each the leading 8 significant bits of what the ones before left
+    over, cut by clearing the low 16 bits of its fp32 pattern. Three parts hold all 24 bits: the sum is exact. (Cut,
+    not rounded: a part is exact in bf16 before its cast, which matters under torch.compile, where inductor drops a
+    fp32 -> bf16 -> fp32 round trip inside a kernel and a rounded split would leave the later parts zero.)"""
     out = []
     for _ in range(parts):
-        out.append(t.to(torch.bfloat16))
-        t = t - out[-1].float()
+        part = (t.view(torch.int32) & -65536).view(torch.float32)  # 0xFFFF0000: sign, exponent, 7 mantissa bits
+        out.append(part.to(torch.bfloat16))
+        t = t - part
     return out
 
 
@@ -70,11 +73,11 @@ def mm_f32(a, b):
 class _HcMixes(torch.autograd.Function):
     """model_dsv4.hc_mixes for bf16 streams: (x @ fn.T) * rsqrt(mean(x^2) + eps), x bf16 [M, K], fn fp32 [R, K].
     The reference converts x to fp32 and runs an fp32 GEMM, which takes no tensor cores (FFMA kernels). Here x is
-    used as it is (exact in bf16) and fn is split into three bf16 parts f0 + f1 + f2 (split_bf16): one GEMM with an
-    fp32 result over [f0; f1; f2] gives the three products, whose sum is x @ fn.T to fp32 precision. The GEMM is
-    narrow (R = 24 outputs) and bound by reading x, so the extra rows cost little. Backward likewise, with the fp32
-    gradient dz = dy r split too and the products of parts i, j with i + j <= 2 kept (the rest is below 2^-24):
-    dx = dz @ fn - (sum(dy * z) r^3 / K) x, dfn = dz.T @ x. R is padded to a multiple of 8 (GEMM alignment)."""
+    used as it is (exact in bf16) and fn is split exactly into three bf16 parts (split_bf16): one GEMM with an fp32
+    result over [f0; f1; f2] gives the three products, summed after. The GEMM is narrow (R = 24 outputs) and bound
+    by reading x, so the extra rows cost little. Backward likewise, with the fp32 gradient dz = dy r split too and
+    all nine products of parts in one GEMM: dx = dz @ fn - (sum(dy * z) r^3 / K) x, dfn = dz.T @ x. R is padded to
+    a multiple of 8 (GEMM alignment)."""
     @staticmethod
     def forward(ctx, x, fn, eps):
         R, Rp = fn.shape[0], fn.shape[0] + -fn.shape[0] % 8
@@ -89,8 +92,7 @@ class _HcMixes(torch.autograd.Function):
         x, fn, z, r = ctx.saved_tensors
         R, Rp = fn.shape[0], fn.shape[0] + -fn.shape[0] % 8
         g, f = split_bf16(F.pad(dy * r, (0, Rp - R))), split_bf16(F.pad(fn, (0, 0, 0, Rp - R)))
-        pairs = [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0)]
-        dzw = mm_f32(torch.cat([g[i] for i, _ in pairs], 1), torch.cat([f[j] for _, j in pairs]))  # [M, K]
+        dzw = mm_f32(torch.cat([gi for gi in g for _ in f], 1), torch.cat(f * len(g)))  # [M, K]: sum of g_i f_j
         dx = dzw - ((dy * z).sum(-1, keepdim=True) * r.pow(3) / x.shape[-1]) * x.float()
         dfn = mm_f32(torch.cat(g, 1).t(), x)  # [3 Rp, K]
         return dx.to(x.dtype), dfn[:R] + dfn[Rp:Rp + R] + dfn[2 * Rp:2 * Rp + R], None

@@ -1,10 +1,10 @@
 """Two pieces of bench_2b's training step, each against what it replaced, in one process on a GPU (session 9):
   - mHC's mixes (model_dsv4.hc_mixes, 4096 tokens x n*D = 6144 -> 24 mixes; and 64 tokens, a decode step): the fp32
-    reference against kernels.hc_mixes_bf16 (fn in three bf16 parts on tensor cores), each compiled (as inside
-    compile_layers' layers), forward and forward+backward, and each one's error against fp64;
+    reference against kernels.hc_mixes_bf16 (fn in three bf16 parts on tensor cores), each compiled as CUDA graphs
+    (as bench.py --compile=graphs runs the layers), forward and forward+backward, and each one's error against fp64;
   - the loss over the vocabulary (4096 x 129280 fp32 logits): F.cross_entropy (bench.py before session 9), eager
     grpo.grpo_loss, and grpo.grpo_loss compiled (kernels.compile_layers), forward+backward.
-python bench/probe_hc_loss.py"""
+python bench/probe_hc_loss.py [hc|loss] [tokens ...]   (both parts, 4096 and 64 tokens by default)"""
 import os
 import sys
 import time
@@ -20,21 +20,27 @@ from model_dsv4 import hc_mixes  # noqa: E402
 
 def timed(fn, reps=20):
     for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(reps):
+        torch.compiler.cudagraph_mark_step_begin()
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / reps * 1e6
 
 
-for M in (4096, 64):
+what = sys.argv[1] if len(sys.argv) > 1 else "both"
+for M in [int(a) for a in sys.argv[2:]] or [4096, 64]:
+    if what == "loss":
+        break
     x = torch.randn(1, M, 4, 1536, device="cuda").bfloat16().requires_grad_()
     fn = (torch.randn(24, 6144, device="cuda") * 0.02).requires_grad_()
     xd = x.detach().double().flatten(2)
     exact = (xd @ fn.detach().double().T) * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6)
-    ref, fast = torch.compile(hc_mixes), torch.compile(hc_mixes_bf16)  # as in the model: inside compiled layers
+    # as in the model: compiled, replayed as CUDA graphs (--compile=graphs), so the figures are the kernels' time
+    ref, fast = (torch.compile(f, mode="reduce-overhead") for f in (hc_mixes, hc_mixes_bf16))
     for name, f in (("fp32 reference", lambda: ref(x, fn, 1e-6)), ("bf16 parts", lambda: fast(x.flatten(2), fn, 1e-6))):
         fwd = timed(lambda: f())
         both = timed(lambda: f().square().sum().backward())
@@ -42,6 +48,8 @@ for M in (4096, 64):
         print(f"hc_mixes {M:5d} tokens  {name:15s} forward {fwd:7.1f} us   forward+backward {both:7.1f} us   "
               f"largest error / largest value {err:.1e}", flush=True)
 
+if what == "hc":
+    raise SystemExit
 ids = torch.randint(0, 129280, (1, 4096), device="cuda")
 mask = torch.ones_like(ids, dtype=torch.bool)
 mask[:, -1] = False
