@@ -18,6 +18,7 @@ import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
 
 from checkpoint import save_pretrained
 from model_dsv4 import ModelArgs, Transformer
@@ -51,27 +52,15 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def grpo_batch(ids):
-    """A micro-batch as grpo.make_microbatches lays it out, for sequences that are all response: every position
-    but the last predicts the next token, advantages +-1 by sequence, the rollout's logprobs 0."""
-    B, T = ids.shape
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    mask[:, -1] = False
-    adv = torch.where(torch.arange(B, device=ids.device) % 2 == 0, 1.0, -1.0)[:, None].expand(B, T).contiguous()
-    return {"tgt": torch.cat([ids[:, 1:], ids[:, :1]], 1), "mask": mask, "adv": adv, "rollout_lp": torch.zeros_like(adv),
-            "weight": torch.full_like(adv, 1.0 / mask.sum().item()), "first": torch.zeros_like(mask)}
-
-
 def time_train(model, ids, logits_of, steps, warmup, device):
-    """Seconds per forward+backward of the trainer's loss (grpo.grpo_loss, on-policy), median over steps."""
-    import grpo
-    mb, times = grpo_batch(ids), []
+    """Seconds per forward+backward of a next-token loss, median over steps."""
+    times = []
     for i in range(warmup + steps):
         sync(device)
         t0 = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()  # a new step for compile's CUDA graphs (mode="reduce-overhead")
         logits = logits_of(model, ids)
-        loss, _ = grpo.grpo_loss(logits.float(), mb)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         loss.backward()
         model.zero_grad(set_to_none=True)
         sync(device)

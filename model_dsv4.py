@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 import torch.nn.functional as F
-from kernels import PathInvariant, grouped_experts, hc_mixes_bf16, linear_f32, matmul_f32, window_attention
+from kernels import PathInvariant, grouped_experts, linear_f32, matmul_f32, window_attention
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
 # -----------------------------------------------------------------------------
@@ -597,10 +597,8 @@ def sinkhorn_entries(comb, iters, eps):
     return torch.stack([torch.stack(row, -1) for row in c], -2)
 
 
-def hc_mixes(x, fn, norm_eps, fast=False):
+def hc_mixes(x, fn, norm_eps):
     # x: [B, T, n, D] -> fp32 [B, T, rows of fn]; an unweighted RMSNorm over all n*D values, then fn
-    if fast and x.dtype == torch.bfloat16:  # kernels.py: the same on tensor cores, fn in three bf16 parts
-        return hc_mixes_bf16(x.flatten(2), fn, norm_eps)
     xf = x.flatten(2).float()
     return F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
 
@@ -613,7 +611,6 @@ def hc_head(x, fn, scale, base, args):
 
 class Block(nn.Module):
     """One layer: attention and MoE sublayers, each wrapped by hc_pre (n streams -> 1) and hc_post (1 -> n)."""
-    fast = False  # set by Transformer.set_kernels: hc_pre's mixes on tensor cores (kernels.hc_mixes_bf16)
     def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
         self.args, self.layer_id = args, layer_id
@@ -630,7 +627,7 @@ class Block(nn.Module):
     def hc_pre(self, x, fn, scale, base):
         # x: [B, T, n, D] -> input [B, T, D], post [B, T, n], comb [B, T, n, n]
         a = self.args
-        pre, post, comb = hc_split_sinkhorn(hc_mixes(x, fn, a.rms_norm_eps, self.fast), scale, base, a.hc_mult,
+        pre, post, comb = hc_split_sinkhorn(hc_mixes(x, fn, a.rms_norm_eps), scale, base, a.hc_mult,
                                             a.hc_sinkhorn_iters, a.hc_eps)
         return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype), post, comb
 
@@ -732,9 +729,8 @@ class Transformer(nn.Module):
         return self
 
     def set_kernels(self, fast=True):
-        """kernels.py's block-wise window attention, grouped GEMM experts and bf16 mHC mixes (on) or the plain
-        reference (off)."""
-        for m in (m for m in self.modules() if isinstance(m, (Attention, MoE, Block))):
+        """kernels.py's block-wise window attention and grouped GEMM experts (on) or the plain reference (off)."""
+        for m in (m for m in self.modules() if isinstance(m, (Attention, MoE))):
             m.fast = fast
         return self
 

@@ -1,0 +1,39 @@
+"""The loss over the vocabulary in bench_2b's training step (4096 x 129280 fp32 logits), forward+backward, on a GPU:
+F.cross_entropy (what bench.py's training step takes), grpo.grpo_loss eager (what train_grpo.py runs), and
+grpo.grpo_loss compiled (what kernels.compile_layers swaps in). Session 9 ran this as part of
+bench/probe_hc_loss.py (commit fa6e1c2). python bench/probe_loss.py"""
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo  # noqa: E402
+
+
+def timed(fn, reps=10):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+ids = torch.randint(0, 129280, (1, 4096), device="cuda")
+mask = torch.ones_like(ids, dtype=torch.bool)
+mask[:, -1] = False
+adv = torch.ones(ids.shape, device="cuda")
+mb = {"tgt": ids.roll(-1, 1), "mask": mask, "adv": adv, "rollout_lp": torch.zeros_like(adv),
+      "weight": torch.full_like(adv, 1 / 4095), "first": torch.zeros_like(mask)}  # all response, on-policy
+logits = torch.randn(1, 4096, 129280, device="cuda").requires_grad_()
+compiled = torch.compile(grpo.grpo_loss)
+for name, f in (("F.cross_entropy", lambda: F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())),
+                ("grpo_loss eager", lambda: grpo.grpo_loss(logits, mb)[0]),
+                ("grpo_loss compiled", lambda: compiled(logits, mb)[0])):
+    print(f"loss over 4096 x 129280 logits  {name:18s} forward+backward {timed(lambda: f().backward()):6.2f} ms",
+          flush=True)
