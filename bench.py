@@ -7,7 +7,8 @@ Benchmarks, each a ratio against a peer measured in the same run (never absolute
     python bench.py --model=config/models/bench_2b.json --seq=4096 --batch=1 --dtype=bfloat16   # on a GPU
 
 Both models get the same weights (ours saved, transformers loads them) and the same inputs. The sync benchmark's
-peers are a plain file write and a memcpy of the same bytes (on CUDA also a device-to-device copy), in the same run.
+peers are a plain file write and a memcpy of the same bytes (on CUDA also a device-to-device copy) and, for the
+distributed transport, a plain broadcast of them to another process (on two GPUs: NCCL), in the same run.
 """
 import argparse
 import contextlib
@@ -216,12 +217,51 @@ def bench_mismatch(ours, args, device, versions):
           f"(mean sampled logprob {sum(sum(r.output_logprobs) for r in reqs) / d.numel():.2f}); engine {t_engine:.1f} s")
 
 
+def peer_recv(port, n, chunk, gpu, backend):
+    """The receiving end of broadcast_peer (a spawned process): the same broadcasts, into one chunk of memory."""
+    from rollout import init_weight_update_group
+    device = torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
+    pg = init_weight_update_group("127.0.0.1", port, 1, 2, "peer", backend, 600)
+    buf = torch.empty(chunk, dtype=torch.uint8, device=device)
+    for i in [0] + list(range(0, n, chunk)):  # a warm-up, then the timed ones
+        torch.distributed.broadcast(buf[:min(chunk, n - i)], src=0, group=pg)
+    sync(device)
+    torch.distributed.destroy_process_group(pg)
+
+
+def broadcast_peer(n, chunk, device, gpu):
+    """The distributed rows' peer: n bytes as plain broadcasts of at most `chunk` bytes (one per bucket) from this
+    process to one other, on GPU `gpu` (NCCL) or the CPU (gloo): what the group moves, without HTTP, server and
+    names. -> seconds."""
+    import socket
+    from rollout import init_weight_update_group
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    peer = torch.multiprocessing.get_context("spawn").Process(target=peer_recv, args=(port, n, chunk, gpu, backend))
+    peer.start()
+    pg = init_weight_update_group("127.0.0.1", port, 0, 2, "peer", backend, 600)
+    buf = torch.ones(chunk, dtype=torch.uint8, device=device)
+    torch.distributed.broadcast(buf, src=0, group=pg)  # warm-up: the connection is made on the first one
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(0, n, chunk):
+        torch.distributed.broadcast(buf[:min(chunk, n - i)], src=0, group=pg)
+    sync(device)
+    t = time.perf_counter() - t0
+    peer.join()
+    torch.distributed.destroy_process_group(pg)
+    return t
+
+
 def bench_sync(args, dtype, device, versions):
     """Weight sync into a running embedded server (a subprocess), per transport and serving format: seconds for
     the whole sync call, as the trainer pays it. The server shares the trainer's device (on CUDA its GPU, which the
     tensor transport's IPC handles need); the distributed rows want a GPU of their own for it (NCCL refuses two
-    ranks on one GPU), so one GPU skips them. The floor for the same bytes: one file write, one memcpy (on CUDA
-    host to device), and on CUDA one device-to-device copy."""
+    ranks on one GPU), so one GPU skips them. Peers for the same bytes: one file write, one memcpy (on CUDA host to
+    device), on CUDA one device-to-device copy, and for the distributed rows a plain broadcast to another process
+    (gloo on the CPU; NCCL to the server's GPU)."""
     import subprocess, sys
     import parallel, weight_sync as wsync
     from quant import quantize_tensor
@@ -231,9 +271,11 @@ def bench_sync(args, dtype, device, versions):
     model, grid, rows = model.to_empty(device=device), parallel.init_distributed(), []
     model.init_weights(seed=0)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    plans = [(None, ["disk", "distributed", "distributed", "tensor"])]  # (the server's GPU, None: ours; transports)
+    # (the server's GPU, None: ours; [(transport, flattened buckets)]); the first distributed sync makes the groups
+    both = [("distributed", True), ("distributed", True), ("distributed", False)]
+    plans = [(None, [("disk", False)] + both + [("tensor", True), ("tensor", False)])]
     if gpus:
-        plans = [(None, ["disk", "tensor"])] + ([(gpus - 1, ["distributed", "distributed"])] if gpus > 1 else [])
+        plans = [(None, [("disk", False), ("tensor", True), ("tensor", False)])] + ([(gpus - 1, both)] if gpus > 1 else [])
     if gpus == 1:
         print("distributed rows skipped: NCCL refuses two ranks on one GPU (they need the server on a second GPU)")
     with tempfile.TemporaryDirectory(dir=cli.tmp) as d:
@@ -246,11 +288,13 @@ def bench_sync(args, dtype, device, versions):
                                          "--max-len", "256"], stdout=subprocess.PIPE, text=True, env=env)
                 ready = next(line for line in proc.stdout if "ready at" in line)
                 client = RolloutClient(ready.split("ready at ")[1].split()[0])
-                for i, mode in enumerate(modes):  # the first distributed sync makes the groups
+                for i, (mode, flat) in enumerate(modes):
                     st = wsync.sync(model, grid, client, args, f"{d}/sync", mode=mode, version=str(i), quant=quant,
-                                    bucket_mb=cli.bucket_mb, timeout=1800)
-                    first = mode == "distributed" and modes.index(mode) == i
-                    rows.append((mode + (" (+ groups)" if first else ""), quant, st["bytes"], st["seconds"]))
+                                    bucket_mb=cli.bucket_mb, timeout=1800, flatten=flat)
+                    what = mode + ("" if mode == "disk" else ", flattened" if flat else ", per tensor")
+                    first = mode == "distributed" and [m for m, _ in modes].index(mode) == i
+                    rows.append((what + (" (+ groups)" if first else ""), quant, st["bytes"], st["seconds"]))
+                    print(f"  {rows[-1][0]:32s} {quant:8s} {st['seconds']:8.2f} s", flush=True)
                 proc.terminate()
                 proc.wait()
         sync(device)
@@ -277,12 +321,15 @@ def bench_sync(args, dtype, device, versions):
                 dst[:n - i].copy_(src[:n - i])
             sync(device)
             rows.append((what, "-", n, time.perf_counter() - t0))
+        if gpus != 1:  # the peer of the distributed rows, in bucket-sized broadcasts
+            rows.append((f"plain {'NCCL' if gpus else 'gloo'} broadcast", "-", n,
+                         broadcast_peer(n, int(cli.bucket_mb * (1 << 20)), device, gpus - 1 if gpus else None)))
     print(f"weight sync, {cli.model}{f' (first {cli.layers} layers)' if cli.layers else ''} "
           f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters), "
           f"{cli.dtype}, trainer and one embedded server on this machine, buckets of {cli.bucket_mb:g} MB, {versions}")
-    print(f"  {'transport':24s} {'serving':8s} {'GB moved':>9s} {'seconds':>8s} {'GB/s':>7s}")
+    print(f"  {'transport':32s} {'serving':8s} {'GB moved':>9s} {'seconds':>8s} {'GB/s':>7s}")
     for what, quant, nbytes, t in rows:
-        print(f"  {what:24s} {quant:8s} {nbytes / 1e9:9.3f} {t:8.2f} {nbytes / 1e9 / t:7.2f}")
+        print(f"  {what:32s} {quant:8s} {nbytes / 1e9:9.3f} {t:8.2f} {nbytes / 1e9 / t:7.2f}")
 
 
 if __name__ == "__main__":

@@ -13,11 +13,13 @@ Senders must quantize (a full-precision tensor sent for a quantized weight is re
 full-precision checkpoint at startup is quantized once here, as SGLang's online --quantization fp8 does.
 
 /update_weights_from_tensor (colocated senders): entry 0 of serialized_named_tensors (we are TP rank 0 of 1; SGLang's
-clients repeat one payload per TP rank), load_format null or "direct"; CUDA IPC handles or, for CPU tensors, plain
-pickle, read by tensor_payload.py's allow-list unpickler, never pickle.loads.
+clients repeat one payload per TP rank), load_format null, "direct" or "flattened_bucket"; CUDA IPC handles or, for
+CPU tensors, plain pickle, read by tensor_payload.py's allow-list unpickler, never pickle.loads.
+/update_weights_from_distributed: load_format null (one broadcast per tensor) or "flattened_bucket" (one broadcast of
+the bucket's bytes, laid out in the order of `names`, tensor_payload.layout).
 
 Not implemented: text prompts and stop strings (no tokenizer), streaming, input/top logprobs, penalties and
-constrained decoding (400 with a message), load_format "flattened_bucket" (400).
+constrained decoding (400 with a message), custom weight loaders (400).
 """
 import hmac
 import ipaddress
@@ -41,7 +43,7 @@ from engine import Engine, SamplingParams
 from checkpoint import canonical_name, checkpoint_index, from_pretrained, load_state_dict
 from quant import as_bytes, dequantize, e8m0_to_float, quant_format, quantize_tensor, quantized_meta, scale_name
 from rollout import init_weight_update_group
-from tensor_payload import read as read_payload
+from tensor_payload import layout, read as read_payload, unflatten
 
 MAX_BODY = 64 << 20  # bytes; a batch of 64 prompts x 4096 tokens is ~2 MB of JSON
 MAX_TENSOR_BODY = 4 << 30  # /update_weights_from_tensor from a client we would answer: CPU tensors travel as base64
@@ -435,22 +437,33 @@ class Server:
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         check(all(isinstance(x, list) for x in (names, dtypes, shapes)) and len(names) == len(dtypes) == len(shapes),
               "names, dtypes and shapes must be lists of the same length")
-        check(body.get("load_format") is None, "load_format: only null (one tensor per name) is supported")
+        fmt = body.get("load_format")
+        check(fmt in (None, "flattened_bucket"), f"load_format must be null or 'flattened_bucket', got {fmt!r}")
         dtypes = [getattr(torch, d, None) if isinstance(d, str) else None for d in dtypes]
         check(all(isinstance(d, torch.dtype) for d in dtypes), "dtypes must be torch dtype names such as 'bfloat16'")
         check(all(isinstance(s, list) and all(is_int(x) and x >= 0 for x in s) for s in shapes),
               "shapes must be lists of non-negative ints")
         group, backend = self.groups[name]
         device = "cpu" if backend == "gloo" else self.engine.device
-        received = {}
-        try:
-            for n, dt, shape in zip(names, dtypes, shapes):  # the trainer broadcasts in this same order
-                received[n] = torch.empty(shape, dtype=dt, device=device)
-                dist.broadcast(as_bytes(received[n]), src=0, group=group)  # float8 travels as bytes (gloo)
+        try:  # the trainer broadcasts in this same order: each tensor, or the one bucket
+            if fmt is None:
+                received = {}
+                for n, dt, shape in zip(names, dtypes, shapes):
+                    received[n] = torch.empty(shape, dtype=dt, device=device)
+                    dist.broadcast(as_bytes(received[n]), src=0, group=group)  # float8 travels as bytes (gloo)
+            else:
+                entries = layout(list(zip(names, shapes, dtypes)))
+                flat = torch.empty(entries[-1].end_idx if entries else 0, dtype=torch.uint8, device=device)
+                dist.broadcast(flat, src=0, group=group)
         except Exception as e:  # a peer died or timed out: the group is unusable; the trainer makes a new one
             with self.admin:
                 self.groups.pop(name, None)
             fail(f"broadcast in group {name!r} failed: {type(e).__name__}: {e}")
+        if fmt is not None:
+            try:
+                received = unflatten(flat, entries)
+            except ValueError as e:
+                fail(f"update_weights_from_distributed: {e}; the old weights are still in place")
         # checked only now: the broadcasts had to be received either way, or the trainer would hang
         return self.update_from("update_weights_from_distributed", received, body)
 
@@ -462,10 +475,10 @@ class Server:
         entries, fmt = body.get("serialized_named_tensors"), body.get("load_format")
         check(isinstance(entries, list) and entries and all(isinstance(e, str) for e in entries),
               "serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
-        check(fmt in (None, "direct"), f"load_format must be null or 'direct' (one tensor per name), got {fmt!r}: "
-              f"'flattened_bucket' and custom loaders are not implemented")
+        check(fmt in (None, "direct", "flattened_bucket"), f"load_format must be null, 'direct' or 'flattened_bucket', "
+              f"got {fmt!r}: custom loaders are not implemented")
         try:
-            named = read_payload(entries[0])  # TP rank 0's entry: the only rank we have
+            named = read_payload(entries[0], flattened=fmt == "flattened_bucket")  # TP rank 0's: the only rank we have
         except ValueError as e:
             fail(f"update_weights_from_tensor: {e}")
         try:

@@ -10,13 +10,23 @@ serialized_named_tensors is base64 of a pickle of [(name, tensor), ...]. weight_
                 (rebuild_storage_fd), which only the sender's own process tree may open: SGLang's scheduler dies on
                 one, the embedded server answers 400.
 
-Reading never runs pickle.loads: Unpickler.find_class resolves only the globals those two forms name, and maps
+load_format "flattened_bucket" (SGLang's weight_sync/tensor_bucket.py; the form its RL clients send): a dict of one
+uint8 tensor holding every tensor's bytes back to back and a list of SGLang's FlattenedTensorMetadata (name, shape,
+dtype, start_idx, end_idx, numel; the last three in bytes), which cut it up again:
+flat[start_idx:end_idx].view(dtype).reshape(shape). One CUDA IPC handle per bucket instead of one per tensor. A view
+needs its start to be a multiple of its element size, so flatten() puts larger elements first. The distributed
+transport lays its flattened buckets out the same way (layout()).
+
+Reading never runs pickle.loads: Unpickler.find_class resolves only the globals these forms name, and maps
 torch.storage._load_from_bytes (a torch.load with weights_only=False: arbitrary code) to load_storage
 (weights_only=True). Any other global is refused by name, before anything in the pickle has run.
 """
 import base64
 import collections
+import copyreg
+import dataclasses
 import io
+import math
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
@@ -36,6 +46,67 @@ def load_storage(data):
     return storage
 
 
+SGLANG_ENTRY = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+
+
+@dataclasses.dataclass
+class BucketEntry:
+    """SGLang's FlattenedTensorMetadata: where one tensor's bytes sit in a flattened bucket. Pickled under SGLang's
+    class name (FlatPickler), so SGLang reads it as its own; our reader maps that name back to this class."""
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+    def __reduce__(self):
+        return BucketEntry, dataclasses.astuple(self)
+
+
+def layout(metas):
+    """[(name, shape, dtype)] in bucket order -> [BucketEntry], back to back from byte 0."""
+    out, at = [], 0
+    for name, shape, dtype in metas:
+        n = math.prod(shape) * dtype.itemsize
+        out.append(BucketEntry(name, torch.Size(shape), dtype, at, at + n, n))
+        at += n
+    return out
+
+
+def flatten(named):
+    """{name: contiguous tensor} -> (one uint8 tensor of all their bytes, [BucketEntry]). Larger elements first
+    (fp32, then bf16, then fp8 and e8m0): every start is then a multiple of its element size."""
+    order = sorted(named, key=lambda k: -named[k].element_size())  # stable: the caller's order within a size
+    entries = layout([(k, named[k].shape, named[k].dtype) for k in order])
+    return torch.cat([named[k].reshape(-1).view(torch.uint8) for k in order]), entries
+
+
+def unflatten(flat, entries):
+    """The bucket's tensors as views of flat (on CUDA IPC: the sender's memory). ValueError naming the first entry
+    that does not fit: outside the bucket, a size that is not its shape's, a start not aligned for its dtype."""
+    if not (isinstance(flat, torch.Tensor) and flat.dtype == torch.uint8 and flat.dim() == 1):
+        raise ValueError(f"flattened_tensor must be a 1-D uint8 tensor, got {getattr(flat, 'dtype', type(flat))}")
+    named = {}
+    for e in entries:
+        if not (isinstance(e, BucketEntry) and isinstance(e.name, str) and isinstance(e.dtype, torch.dtype)
+                and isinstance(e.shape, (tuple, list)) and all(type(x) is int and x >= 0 for x in e.shape)
+                and all(type(x) is int for x in (e.start_idx, e.end_idx, e.numel))):
+            raise ValueError(f"metadata entries must be FlattenedTensorMetadata(name: str, shape, dtype, start_idx, "
+                             f"end_idx, numel: int), got {e!r:.200}")
+        n = math.prod(e.shape) * e.dtype.itemsize
+        if not (0 <= e.start_idx and e.end_idx - e.start_idx == e.numel == n and e.end_idx <= len(flat)):
+            raise ValueError(f"{e.name}: bytes [{e.start_idx}, {e.end_idx}) (numel {e.numel}) is not {n} bytes "
+                             f"of {tuple(e.shape)} {e.dtype} inside the bucket's {len(flat)}")
+        if e.start_idx % e.dtype.itemsize:
+            raise ValueError(f"{e.name}: starts at byte {e.start_idx}, not a multiple of {e.dtype}'s "
+                             f"{e.dtype.itemsize} bytes (put larger elements first)")
+        if e.name in named:
+            raise ValueError(f"the bucket names {e.name} twice")
+        named[e.name] = flat[e.start_idx:e.end_idx].view(e.dtype).reshape(e.shape)
+    return named
+
+
 # CPU tensors (plain pickle; v3 for dtypes without a storage type, float8 say), then CUDA IPC (ForkingPickler)
 ALLOWED = {("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
            ("torch._utils", "_rebuild_tensor_v3"): torch._utils._rebuild_tensor_v3,
@@ -44,7 +115,8 @@ ALLOWED = {("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_
            ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): mp_reductions.rebuild_cuda_tensor,
            ("torch", "Tensor"): torch.Tensor, ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
            ("torch", "Size"): torch.Size, ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,
-           ("torch.storage", "UntypedStorage"): torch.storage.UntypedStorage}
+           ("torch.storage", "UntypedStorage"): torch.storage.UntypedStorage,
+           SGLANG_ENTRY: BucketEntry}
 
 
 class Unpickler(pickle.Unpickler):
@@ -64,12 +136,19 @@ class Unpickler(pickle.Unpickler):
                                      f"functions and types that pickled tensors need")
 
 
-def read(entry):
-    """One base64 entry -> {name: tensor} (CUDA IPC tensors still the sender's memory). ValueError on anything else."""
+def read(entry, flattened=False):
+    """One base64 entry -> {name: tensor} (CUDA IPC tensors still the sender's memory). ValueError on anything else.
+    flattened: load_format "flattened_bucket", a dict {"flattened_tensor", "metadata"}."""
     try:
         items = Unpickler(io.BytesIO(base64.b64decode(entry, validate=True))).load()
     except Exception as e:  # a refused global, bad base64, a malformed pickle, a handle that does not open
         raise ValueError(f"cannot read serialized_named_tensors: {type(e).__name__}: {e}") from None
+    if flattened:
+        if not (isinstance(items, dict) and set(items) == {"flattened_tensor", "metadata"}
+                and isinstance(items["metadata"], list)):
+            raise ValueError("a flattened_bucket payload must unpickle to {'flattened_tensor': uint8 tensor, "
+                             "'metadata': [FlattenedTensorMetadata]}")
+        return unflatten(items["flattened_tensor"], items["metadata"])
     if not (isinstance(items, list) and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
                                             and isinstance(x[1], torch.Tensor) for x in items)):
         raise ValueError("serialized_named_tensors must unpickle to a list of (name, tensor) pairs")
@@ -88,6 +167,30 @@ class BytesPickler(pickle.Pickler):
         if type(obj) is torch.UntypedStorage:
             return torch.storage.TypedStorage(wrap_storage=obj, dtype=torch.uint8, _internal=True).__reduce__()
         return NotImplemented
+
+
+class FlatPickler(pickle._Pickler):
+    """A flattened bucket's pickle: the pure-Python pickler, whose save_global can name SGLang's class without
+    sglang installed (the C pickler imports a class's module to name it); tensors as dumps() pickles them."""
+
+    def __init__(self, file, cuda):
+        super().__init__(file, protocol=4)
+        self.dispatch_table = {**copyreg.dispatch_table, **(ForkingPickler._extra_reducers if cuda else {})}
+
+    def save_global(self, obj, name=None):
+        if obj is BucketEntry:
+            return self.write(pickle.GLOBAL + ("%s\n%s\n" % SGLANG_ENTRY).encode())
+        return super().save_global(obj, name)
+
+    reducer_override = BytesPickler.reducer_override
+
+
+def dumps_flat(flat, entries):
+    """A flattened bucket (flatten()'s two parts) -> one base64 entry, for load_format "flattened_bucket". CUDA:
+    the receiver maps flat's memory, so keep flat alive (and unchanged) until it has answered."""
+    buf = io.BytesIO()
+    FlatPickler(buf, flat.is_cuda).dump({"flattened_tensor": flat, "metadata": entries})
+    return base64.b64encode(buf.getbuffer()).decode()
 
 
 def dumps(named):

@@ -80,6 +80,7 @@ rollout_api_key = ''
 rollout_timeout = 3600.0  # seconds one /generate request may take before it is retried elsewhere
 weight_sync = 'disk'  # 'disk' | 'distributed' | 'tensor' (servers on this machine: CUDA IPC; weight_sync.py)
 weight_sync_bucket_mb = 512  # distributed, tensor: bytes per bucket, the most one rank gathers at a time
+weight_sync_flatten = True  # distributed, tensor: a bucket as one tensor of its bytes (SGLang's 'flattened_bucket')
 weight_sync_verify = False  # after each sync, check every tensor's first rows on every server against what was sent
 rollout_quant = 'none'  # 'none' | 'fp8' | 'fp8_fp4': what the rollout engine serves
 rollout_max_batch = 64
@@ -375,7 +376,7 @@ def sync_weights():
         try:
             return wsync.sync(model, grid, client, args, sync_dir, mode=weight_sync, version=str(weight_version),
                               quant=rollout_quant, bucket_mb=weight_sync_bucket_mb, verify=weight_sync_verify,
-                              timeout=dist_timeout)
+                              timeout=dist_timeout, flatten=weight_sync_flatten)
         except wsync.SyncError as e:
             print0(f"weight sync, attempt {attempt}: {e}")
             if master and server is not None and server.poll() is not None:  # ours died: start it again

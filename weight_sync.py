@@ -19,6 +19,11 @@ Transports (config key weight_sync):
                which stay alive until every server has answered (it has copied them by then), or on the CPU the
                bytes. The same senders, stage order and EP hand-over as `distributed`; no group.
 
+Flattened buckets (flatten=True, the default; SGLang's load_format "flattened_bucket"): a bucket travels as one uint8
+tensor of its tensors' bytes, larger elements first (tensor_payload.flatten), with their names, dtypes and shapes:
+one broadcast, or one CUDA IPC handle, per bucket instead of one per tensor, for a copy of the bucket on the sender.
+flatten=False sends tensor by tensor (load_format null), for servers that lack the flattened form.
+
 Failure: a server that dies or times out raises SyncError on every trainer rank, naming it. The trainer's weights
 are only read. The servers a sync did not complete on, and those that were down, go into client.stale (no rollouts)
 until a later sync reaches them in full; every sync goes to every server that is up.
@@ -36,10 +41,10 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+import tensor_payload
 from parallel import named
 from quant import as_bytes, e8m0_to_float, quantize_tensor, quantized_meta
 from rollout import RETRYABLE, error_message, init_weight_update_group
-from tensor_payload import dumps as payload
 
 GROUP = {}  # this rank's live weight-update groups: "urls", "names" (one per stage), "pg" (stage senders only)
 
@@ -242,15 +247,20 @@ def send_stage(model, grid, quant, limit, push, stats, samples):
     return err
 
 
-def broadcast(client, urls, name, version, timeout):
+def broadcast(client, urls, name, version, timeout, flat):
     """The distributed transport's push: the bucket's names, dtypes and shapes POSTed to every server, then the
-    tensors broadcast in that order."""
+    tensors broadcast in that order, or (flat) the bucket's bytes in one broadcast."""
     def push(sent, what):
+        order = [(k, v) for k, v in sent.items()]
+        if flat:
+            buf, entries = tensor_payload.flatten(sent)
+            order = [(e.name, sent[e.name]) for e in entries]
         answers = post(client, urls, "/update_weights_from_distributed", {
-            "names": list(sent), "dtypes": [str(v.dtype)[6:] for v in sent.values()], "group_name": name,
-            "shapes": [list(v.shape) for v in sent.values()], "flush_cache": False, "weight_version": version}, timeout)
+            "names": [k for k, _ in order], "dtypes": [str(v.dtype)[6:] for _, v in order], "group_name": name,
+            "shapes": [list(v.shape) for _, v in order], "load_format": "flattened_bucket" if flat else None,
+            "flush_cache": False, "weight_version": version}, timeout)
         try:
-            for v in sent.values():
+            for v in [buf] if flat else [v for _, v in order]:
                 dist.broadcast(as_bytes(v), src=0, group=GROUP["pg"])  # float8 travels as bytes (gloo has none)
         except Exception as e:  # a dead peer: the servers still up wait on us for ever; do not wait for them
             return failed({**errors(answers, wait=2), "broadcast": f"{type(e).__name__}: {e}"}, what)
@@ -278,12 +288,12 @@ def session(grid, client, urls, timeout, send):
     return agree(grid, err)
 
 
-def sync_distributed(model, grid, client, urls, token, quant, version, limit, timeout, stats, samples):
+def sync_distributed(model, grid, client, urls, token, quant, version, limit, timeout, flat, stats, samples):
     """After a failure the groups are dropped (the next sync makes new ones) and SyncError raised."""
     if GROUP.get("urls") != tuple(urls):  # the first sync, or other servers: new groups
         make_groups(grid, client, urls, token, timeout)
-    if err := session(grid, client, urls, timeout, lambda p: send_stage(
-            model, grid, quant, limit, broadcast(client, urls, GROUP["names"][p], version, timeout), stats, samples)):
+    if err := session(grid, client, urls, timeout, lambda p: send_stage(model, grid, quant, limit, broadcast(
+            client, urls, GROUP["names"][p], version, timeout, flat), stats, samples)):
         teardown(grid, client, urls, min(timeout, 30))
         raise SyncError(*err)
 
@@ -300,7 +310,7 @@ def on_this_machine(url):
         return False
 
 
-def sync_tensor(model, grid, client, urls, quant, version, limit, timeout, stats, samples):
+def sync_tensor(model, grid, client, urls, quant, version, limit, timeout, flat, stats, samples):
     """-> error or None. CUDA IPC handles open only on this machine: a far server is a config error (SGLang's
     scheduler would die on the handles)."""
     if grid.device.type == "cuda":
@@ -311,10 +321,11 @@ def sync_tensor(model, grid, client, urls, quant, version, limit, timeout, stats
     tps = tp_sizes(grid, client, urls)
 
     def push(sent, what):  # one payload for every TP rank of a server, as SGLang's client sends it
-        entry = payload(sent)
+        buf = tensor_payload.flatten(sent) if flat else None  # buf[0], the memory a CUDA handle maps, lives on
+        entry = tensor_payload.dumps_flat(*buf) if flat else tensor_payload.dumps(sent)  # until every server answered
         return failed(errors(post(client, urls, "/update_weights_from_tensor", {
-            u: {"serialized_named_tensors": [entry] * tp, "flush_cache": False, "weight_version": version}
-            for u, tp in zip(urls, tps)}, timeout)), what)
+            u: {"serialized_named_tensors": [entry] * tp, "load_format": "flattened_bucket" if flat else None,
+                "flush_cache": False, "weight_version": version} for u, tp in zip(urls, tps)}, timeout)), what)
     return session(grid, client, urls, timeout, lambda p: send_stage(model, grid, quant, limit, push, stats, samples))
 
 
@@ -338,13 +349,14 @@ def check_samples(client, urls, samples, timeout):
 # -----------------------------------------------------------------------------
 
 def sync(model, grid, client, args, path, mode="disk", version="1", quant="none", bucket_mb=512, verify=False,
-         timeout=600):
+         timeout=600, flatten=True):
     """Push the trainer's weights to every rollout server that is up; they stamp `version` on what they generate.
     Collective over the trainer's world. -> this rank's stats (names and bytes it sent, buckets, seconds). Raises
     SyncError on every rank, naming the servers that failed (they join client.stale; see the module docstring)."""
     if mode not in ("disk", "distributed", "tensor"):
         raise ValueError(f"weight_sync '{mode}' is not available (have: disk, distributed, tensor)")
-    t0, stats, samples = time.time(), {"mode": mode, "names": [], "bytes": 0, "buckets": 0, "max_bucket_bytes": 0}, {}
+    t0, samples = time.time(), {}
+    stats = {"mode": mode, "flatten": flatten, "names": [], "bytes": 0, "buckets": 0, "max_bucket_bytes": 0}
     up, token = agree(grid, ([u for u, ok in client.health().items() if ok] if grid.rank == 0 else None,
                              uuid.uuid4().hex[:8]), src=0)
     client.stale.update(u for u in client.urls if u not in up)
@@ -360,10 +372,10 @@ def sync(model, grid, client, args, path, mode="disk", version="1", quant="none"
                              "weight_version": version}, timeout)), "update_weights_from_disk failed on:")
         elif mode == "distributed":
             sync_distributed(model, grid, client, up, token, quant, version, int(bucket_mb * (1 << 20)), timeout,
-                             stats, samples)
+                             flatten, stats, samples)
         else:
-            err = sync_tensor(model, grid, client, up, quant, version, int(bucket_mb * (1 << 20)), timeout, stats,
-                              samples)
+            err = sync_tensor(model, grid, client, up, quant, version, int(bucket_mb * (1 << 20)), timeout, flatten,
+                              stats, samples)
         err = agree(grid, err)  # every server has the weights now (or the sync failed), so verify may look
         if verify and not err:
             err = agree(grid, failed(check_samples(client, up, samples, timeout), "verify failed on:"))

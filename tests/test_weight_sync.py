@@ -70,13 +70,14 @@ def logprob_diff(url, model, version=None):
     return worst
 
 
-@pytest.mark.parametrize("mode", ["disk", "distributed"])
-def test_step_then_sync_logprobs_equal(mode, servers, tmp_path):
-    model = trained(step_seed=len(mode))
+@pytest.mark.parametrize("mode,flatten", [("disk", False), ("distributed", True), ("distributed", False)])
+def test_step_then_sync_logprobs_equal(mode, flatten, servers, tmp_path):
+    """flatten: one broadcast per bucket (load_format "flattened_bucket") or one per tensor."""
+    model = trained(step_seed=len(mode) + flatten)
     urls = [u for _, u in servers]
     assert logprob_diff(urls[0], model) > 1e-3  # the servers do not hold these weights yet
     stats = wsync.sync(model, GRID, RolloutClient(urls), ARGS, tmp_path / "w", mode=mode, version=f"{mode}-1",
-                       bucket_mb=0.25, verify=True)
+                       bucket_mb=0.25, verify=True, flatten=flatten)
     sd = model.state_dict()  # every tensor is sent, each once
     assert sorted(stats["names"]) == sorted(sd) and stats["bytes"] == sum(v.nbytes for v in sd.values())
     assert mode == "disk" or stats["buckets"] > 2 and stats["max_bucket_bytes"] <= 1 << 18
