@@ -186,13 +186,21 @@ class Engine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
-        """Copy tensors into the model by official name; checks everything before touching anything."""
-        sd = self.model.state_dict()
-        bad = [f"{k}: unknown" if k not in sd else f"{k}: shape {tuple(v.shape)} vs {tuple(sd[k].shape)}"
-               for k, v in named_tensors.items() if k not in sd or tuple(v.shape) != tuple(sd[k].shape)]
+        """Copy tensors into the model by official name; checks everything before touching anything. Each name is
+        looked up on its module (a weight sync's bucket names a few hundred of the model's thousands)."""
+        def own(k):  # the parameter or buffer named k, or None
+            module, _, attr = k.rpartition(".")
+            try:
+                m = self.model.get_submodule(module)
+            except AttributeError:
+                return None
+            return m._parameters.get(attr, m._buffers.get(attr))
+        sd = {k: own(k) for k in named_tensors}
+        bad = [f"{k}: unknown" if sd[k] is None else f"{k}: shape {tuple(v.shape)} vs {tuple(sd[k].shape)}"
+               for k, v in named_tensors.items() if sd[k] is None or tuple(v.shape) != tuple(sd[k].shape)]
         if bad:
             raise ValueError("cannot load weights: " + "; ".join(bad))
-        with self.lock:
+        with self.lock, torch.no_grad():
             self._drain()
             for k, v in named_tensors.items():
                 sd[k].copy_(v.to(sd[k].device, sd[k].dtype))

@@ -532,6 +532,11 @@ class MoE(nn.Module):
             counts = counts if torch.is_tensor(counts) else torch.tensor(counts, device=xs.device)
             return grouped_experts(list(self.experts.values()), xs, ws, counts, self.args.swiglu_limit,
                                    getattr(self, "stacked", None))
+        return self.loop_experts(xs, ws, counts)
+
+    @torch.compiler.disable  # row counts read on the host: under compile='layers' this runs eagerly (inductor
+    def loop_experts(self, xs, ws, counts):  # failed on the padded slices of such data-dependent sizes on an H200)
+        """The reference path: a loop over the local experts (fp32 on a GPU, FP8 emulation, kernels off)."""
         out, start = [], 0
         counts = counts.tolist() if torch.is_tensor(counts) else counts
         for expert, c in zip(self.experts.values(), counts):

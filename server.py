@@ -135,6 +135,10 @@ class Server:
         self.quant, self.qstate, self.dirty = quant, {}, set()
         self.qformats = {n: (s, d) for k, v in model.state_dict().items() if quant_format(k, quant)
                          for n, s, d in quantized_meta(k, tuple(v.shape), v.dtype, quant)}
+        # what an update may name: (shape, dtype or None for any); state_dict() walks every module (~30 ms for
+        # bench_2b), too slow to redo for each bucket of a sync
+        self.expected = {k: (tuple(v.shape), None) for k, v in model.state_dict().items() if k not in self.qformats}
+        self.expected.update(self.qformats)  # quantized: the exact format (a full-precision tensor there is refused)
         self.engine = Engine(model, max_batch=max_batch, max_len=max_len)
         self.vocab = self.engine.vocab_size
         self.stop = threading.Event()
@@ -330,8 +334,7 @@ class Server:
     def checked(self, named, every):
         """Names and shapes checked for all tensors before anything is copied, so that a failed update
         leaves the old weights. `every`: a whole checkpoint must cover the model."""
-        expected = {k: (tuple(v.shape), None) for k, v in self.model.state_dict().items() if k not in self.qformats}
-        expected.update(self.qformats)  # quantized: the exact format (a full-precision tensor there is refused)
+        expected = self.expected
         named = {canonical_name(k): v for k, v in named.items()}
         unknown = sorted(set(named) - set(expected))
         missing = sorted(set(expected) - set(named)) if every else []

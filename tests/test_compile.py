@@ -62,6 +62,30 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
         assert err_c <= 1.5 * err_e + 1e-4, (err_c, err_e)
 
 
+def test_reference_expert_loop_runs_eagerly_in_compiled_layers(compile_layers):
+    """fp32 on a GPU (and kernels off anywhere) takes MoE.loop_experts, which reads the row counts on the host:
+    compiled layers call it eagerly (a graph break; inductor had failed on its data-dependent slices on an H200, in
+    train_grpo.py's fp32 default) and give eager's logits and gradients."""
+    dev = "cuda" if CUDA else "cpu"
+    model = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
+                       SMALL.num_experts_per_tok, seed=4).set_kernels(False).to(dev)
+
+    def run(ids):
+        logits = model(ids)
+        logits.log_softmax(-1)[..., 3].mean().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        model.zero_grad()
+        return logits.detach(), grads
+    batches = [torch.randint(0, SMALL.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4)).to(dev)]
+    eager = [run(ids) for ids in batches]
+    counters = compile_layers()
+    for ids, (logits, grads) in zip(batches, eager):
+        c_logits, c_grads = run(ids)
+        assert (c_logits - logits).abs().max() <= 1e-4 * logits.abs().max()
+        assert (c_grads - grads).abs().max() <= 1e-4 * grads.abs().max()
+    assert any("loop_experts" in k for k in counters["graph_break"])
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")
 def test_compile_graphs_equal_compiled_step_after_step(compile_layers):
     """compile_layers(graphs=True): each layer's forward and backward replayed from CUDA graphs give the logits and
