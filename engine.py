@@ -200,7 +200,7 @@ class Engine:
                for k, v in named_tensors.items() if sd[k] is None or tuple(v.shape) != tuple(sd[k].shape)]
         if bad:
             raise ValueError("cannot load weights: " + "; ".join(bad))
-        with self.lock, torch.no_grad():
+        with self.lock:
             self._drain()
             for k, v in named_tensors.items():
                 sd[k].copy_(v.to(sd[k].device, sd[k].dtype))

@@ -74,12 +74,18 @@ def layout(metas):
     return out
 
 
-def flatten(named):
+def flatten(named, buf=None):
     """{name: contiguous tensor} -> (one uint8 tensor of all their bytes, [BucketEntry]). Larger elements first
-    (fp32, then bf16, then fp8 and e8m0): every start is then a multiple of its element size."""
+    (fp32, then bf16, then fp8 and e8m0): every start is then a multiple of its element size. buf: a uint8 tensor
+    to fill from its start, if big enough (a fresh one costs page faults on the CPU: 0.34 s against 0.06 s for
+    0.4 GB on the 2-core dev box)."""
     order = sorted(named, key=lambda k: -named[k].element_size())  # stable: the caller's order within a size
     entries = layout([(k, named[k].shape, named[k].dtype) for k in order])
-    return torch.cat([named[k].reshape(-1).view(torch.uint8) for k in order]), entries
+    if not entries:
+        return torch.empty(0, dtype=torch.uint8), []
+    n = entries[-1].end_idx
+    out = buf[:n] if buf is not None and len(buf) >= n else None
+    return torch.cat([named[k].reshape(-1).view(torch.uint8) for k in order], out=out), entries
 
 
 def unflatten(flat, entries):

@@ -247,13 +247,27 @@ def send_stage(model, grid, quant, limit, push, stats, samples):
     return err
 
 
+def packer():
+    """tensor_payload.flatten into one buffer kept from bucket to bucket (each bucket is sent and answered before
+    the next is packed), so that a sync allocates it once."""
+    held = []
+    def pack(sent):
+        n = sum(v.nbytes for v in sent.values())
+        if not held or len(held[0]) < n:
+            held[:] = [torch.empty(n, dtype=torch.uint8, device=next(iter(sent.values())).device)]
+        return tensor_payload.flatten(sent, held[0])
+    return pack
+
+
 def broadcast(client, urls, name, version, timeout, flat):
     """The distributed transport's push: the bucket's names, dtypes and shapes POSTed to every server, then the
     tensors broadcast in that order, or (flat) the bucket's bytes in one broadcast."""
+    pack = packer()
+
     def push(sent, what):
         order = [(k, v) for k, v in sent.items()]
         if flat:
-            buf, entries = tensor_payload.flatten(sent)
+            buf, entries = pack(sent)
             order = [(e.name, sent[e.name]) for e in entries]
         answers = post(client, urls, "/update_weights_from_distributed", {
             "names": [k for k, _ in order], "dtypes": [str(v.dtype)[6:] for _, v in order], "group_name": name,
@@ -318,10 +332,10 @@ def sync_tensor(model, grid, client, urls, quant, version, limit, timeout, flat,
         if far:
             raise ValueError(f"weight_sync='tensor' sends CUDA IPC handles, which only a server on the sender's "
                              f"machine can open: {far} are not on it (use weight_sync='distributed')")
-    tps = tp_sizes(grid, client, urls)
+    tps, pack = tp_sizes(grid, client, urls), packer()
 
     def push(sent, what):  # one payload for every TP rank of a server, as SGLang's client sends it
-        buf = tensor_payload.flatten(sent) if flat else None  # buf[0], the memory a CUDA handle maps, lives on
+        buf = pack(sent) if flat else None  # buf[0], the memory a CUDA handle maps, lives on
         entry = tensor_payload.dumps_flat(*buf) if flat else tensor_payload.dumps(sent)  # until every server answered
         return failed(errors(post(client, urls, "/update_weights_from_tensor", {
             u: {"serialized_named_tensors": [entry] * tp, "load_format": "flattened_bucket" if flat else None,

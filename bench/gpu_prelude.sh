@@ -7,3 +7,7 @@ mkdir -p /tmp/ind && if ls .ind/ind.txz.* >/dev/null 2>&1; then cat .ind/ind.txz
 B2=config/models/bench_2b.json
 drop() { grep -v "Loading weights" | grep -v -i "warn\|online softmax\|split the\|important use case\|softmax\.$\|^$\|originates\|rope_inv_freq\|^ *\^*$\|File \"/work\|^E1201"; }
 { nvidia-smi -L; git log -1 --oneline; git status --short | head; } > $O/log.txt
+# step NAME SECONDS CMD...: CMD's output goes straight to $O/NAME.raw, which comes back even when the call is cut
+# (session 10's calls 2 and 3 lost theirs in the buffers of a `| grep | cut` pipeline); then drop's view of it, with
+# the exit status and the start and end times, in $O/NAME.txt
+step() { local n=$1 t=$2; shift 2; { date +%T; timeout "$t" "$@" > "$O/$n.raw" 2>&1; echo "rc $?"; drop < "$O/$n.raw" | cut -c1-220; date +%T; } > "$O/$n.txt"; }
