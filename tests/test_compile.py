@@ -66,9 +66,11 @@ def test_reference_expert_loop_runs_eagerly_in_compiled_layers(compile_layers):
     """fp32 on a GPU (and kernels off anywhere) takes MoE.loop_experts, which reads the row counts on the host:
     compiled layers call it eagerly (a graph break; inductor had failed on its data-dependent slices on an H200, in
     train_grpo.py's fp32 default) and give eager's logits and gradients."""
-    dev = "cuda" if CUDA else "cpu"
-    model = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
-                       SMALL.num_experts_per_tok, seed=4).set_kernels(False).to(dev)
+    dev, args = "cuda" if CUDA else "cpu", copy.deepcopy(SMALL)
+    args.num_hidden_layers, args.num_nextn_predict_layers = 1, 0  # one layer: one graph to compile
+    args.compress_ratios, args.num_hash_layers = args.compress_ratios[:1], 0
+    model = randomize_(Transformer(args, dtype=torch.float32), args.n_routed_experts, args.num_experts_per_tok,
+                       seed=4).set_kernels(False).to(dev)
 
     def run(ids):
         logits = model(ids)

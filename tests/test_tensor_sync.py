@@ -56,14 +56,13 @@ def as_sent(t):
     return (e8m0_to_float(t) if t.dtype == torch.float8_e8m0fnu else t.float()).double().cpu()
 
 
-@pytest.mark.parametrize("flatten", [True, False])
-def test_tensor_equals_disk(servers, flatten, tmp_path):
-    """Server A synced through disk, server B through tensor buckets (flattened, or tensor by tensor): bit-equal
-    weights and greedy logprobs."""
-    (a, b), model = servers, trained(step_seed=6 + flatten)
+def test_tensor_equals_disk(servers, tmp_path):
+    """Server A synced through disk, server B through flattened tensor buckets: bit-equal weights and greedy
+    logprobs. (Tensor by tensor: test_fp8_serving_via_tensor.)"""
+    (a, b), model = servers, trained(step_seed=6)
     wsync.sync(model, GRID, RolloutClient(a), ARGS, tmp_path / "w", mode="disk", version="v")
     stats = wsync.sync(model, GRID, RolloutClient(b), ARGS, tmp_path / "unused", mode="tensor", version="v",
-                       bucket_mb=0.25, verify=True, flatten=flatten)
+                       bucket_mb=0.25, verify=True)
     sd = model.state_dict()  # every tensor sent, each once, in buckets of at most 256 kB
     assert sorted(stats["names"]) == sorted(sd) and stats["bytes"] == sum(v.nbytes for v in sd.values())
     assert stats["buckets"] > 2 and stats["max_bucket_bytes"] <= 1 << 18
@@ -77,15 +76,16 @@ def test_tensor_equals_disk(servers, flatten, tmp_path):
 
 
 def test_fp8_serving_via_tensor(ckpt, tmp_path):
-    """The official FP8 format through tensor buckets (float8 CPU tensors: tensor_payload.BytesPickler); a
-    full-precision tensor for a quantized weight is refused, not cast."""
+    """The official FP8 format through tensor buckets sent tensor by tensor (float8 CPU tensors:
+    tensor_payload.BytesPickler; flattened fp8 buckets: test_weight_sync.py's quantized serving); a full-precision
+    tensor for a quantized weight is refused, not cast."""
     servers, model = start_servers(ckpt, quant="fp8"), trained(step_seed=7)
     url, client = servers[0][1], RolloutClient(servers[0][1])
     try:
         with pytest.raises(wsync.SyncError, match="serves fp8: send quant.py's format"):
-            wsync.sync(model, GRID, client, ARGS, tmp_path, mode="tensor", quant="none")
+            wsync.sync(model, GRID, client, ARGS, tmp_path, mode="tensor", quant="none", flatten=False)
         wsync.sync(model, GRID, client, ARGS, tmp_path, mode="tensor", version="t-q", quant="fp8", bucket_mb=0.25,
-                   verify=True)
+                   verify=True, flatten=False)
         ref = copy.deepcopy(model)  # the trainer's weights through the spec's dequantisation
         ref.load_state_dict({n: spec_dequant(*quantize_tensor(n, t, "fp8").values()) if quant_format(n, "fp8") else t
                              for n, t in ref.state_dict().items()})

@@ -186,7 +186,7 @@ def test_server_killed_mid_sync(servers, ckpt, tmp_path, monkeypatch):
     assert client.stale == set() and logprob_diff(url_b, model, "k-3") <= 1e-5
 
 
-@pytest.mark.parametrize("mode", ["distributed", "tensor"])
+@pytest.mark.parametrize("mode", ["tensor"])  # train_grpo with 'distributed': test_faults.py (a server killed mid-sync)
 def test_train_grpo_syncs_into_fp8_server(mode, tmp_path):
     """The trainer's path: an fp8 embedded server, a verified sync after each step (2 steps)."""
     cmd = [sys.executable, "train_grpo.py", f"--out_dir={tmp_path}", *"--max_steps=2 --n_prompts=2 --n_samples=2 "
