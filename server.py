@@ -135,8 +135,8 @@ class Server:
         self.quant, self.qstate, self.dirty = quant, {}, set()
         self.qformats = {n: (s, d) for k, v in model.state_dict().items() if quant_format(k, quant)
                          for n, s, d in quantized_meta(k, tuple(v.shape), v.dtype, quant)}
-        # what an update may name: (shape, dtype or None for any); state_dict() walks every module (~30 ms for
-        # bench_2b), too slow to redo for each bucket of a sync
+        # what an update may name: (shape, dtype or None for any); state_dict() walks every module (33 ms for
+        # bench_2b on a 2-core CPU), too slow to redo for each bucket of a sync
         self.expected = {k: (tuple(v.shape), None) for k, v in model.state_dict().items() if k not in self.qformats}
         self.expected.update(self.qformats)  # quantized: the exact format (a full-precision tensor there is refused)
         self.engine = Engine(model, max_batch=max_batch, max_len=max_len)

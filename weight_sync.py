@@ -253,9 +253,9 @@ def packer():
     held = []
     def pack(sent):
         n = sum(v.nbytes for v in sent.values())
-        if not held or len(held[0]) < n:
+        if sent and (not held or len(held[0]) < n):
             held[:] = [torch.empty(n, dtype=torch.uint8, device=next(iter(sent.values())).device)]
-        return tensor_payload.flatten(sent, held[0])
+        return tensor_payload.flatten(sent, held[0] if held else None)
     return pack
 
 
