@@ -275,7 +275,8 @@ def bench_sync(args, dtype, device, versions):
     both = [("distributed", True), ("distributed", True), ("distributed", False)]
     plans = [(None, [("disk", False)] + both + [("tensor", True), ("tensor", False)])]
     if gpus:
-        plans = [(None, [("disk", False), ("tensor", True), ("tensor", False)])] + ([(gpus - 1, both)] if gpus > 1 else [])
+        plans = [(None, [("disk", False), ("tensor", True), ("tensor", False)])]
+        plans += [(gpus - 1, both)] if gpus > 1 else []
     if gpus == 1:
         print("distributed rows skipped: NCCL refuses two ranks on one GPU (they need the server on a second GPU)")
     with tempfile.TemporaryDirectory(dir=cli.tmp) as d:

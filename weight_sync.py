@@ -265,16 +265,14 @@ def broadcast(client, urls, name, version, timeout, flat):
     pack = packer()
 
     def push(sent, what):
-        order = [(k, v) for k, v in sent.items()]
-        if flat:
-            buf, entries = pack(sent)
-            order = [(e.name, sent[e.name]) for e in entries]
+        buf, entries = pack(sent) if flat else (None, None)
+        names = [e.name for e in entries] if flat else list(sent)  # the order the bytes go in
         answers = post(client, urls, "/update_weights_from_distributed", {
-            "names": [k for k, _ in order], "dtypes": [str(v.dtype)[6:] for _, v in order], "group_name": name,
-            "shapes": [list(v.shape) for _, v in order], "load_format": "flattened_bucket" if flat else None,
+            "names": names, "dtypes": [str(sent[k].dtype)[6:] for k in names], "group_name": name,
+            "shapes": [list(sent[k].shape) for k in names], "load_format": "flattened_bucket" if flat else None,
             "flush_cache": False, "weight_version": version}, timeout)
         try:
-            for v in [buf] if flat else [v for _, v in order]:
+            for v in [buf] if flat else [sent[k] for k in names]:
                 dist.broadcast(as_bytes(v), src=0, group=GROUP["pg"])  # float8 travels as bytes (gloo has none)
         except Exception as e:  # a dead peer: the servers still up wait on us for ever; do not wait for them
             return failed({**errors(answers, wait=2), "broadcast": f"{type(e).__name__}: {e}"}, what)
