@@ -21,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import grpo
 from checkpoint import save_pretrained
 from model_dsv4 import ModelArgs, Transformer
 
@@ -42,6 +43,7 @@ p.add_argument("--compile", default="off", choices=["off", "hot", "layers", "gra
                     "each layer's forward and backward, GPU only) before building the models")
 p.add_argument("--invariant", action="store_true", help="mismatch: both sides path-invariant (model.set_invariant)")
 p.add_argument("--profile", action="store_true", help="train: print the top CUDA/CPU ops of one step of ours")
+p.add_argument("--trace", default="", help="train with --profile: also write the step's trace (chrome://tracing JSON) here")
 p.add_argument("--layers", type=int, default=0, help="keep only the first N trunk layers (less memory; 0 = all)")
 cli = p.parse_args()
 if cli.compile == "graphs" and not torch.cuda.is_available():
@@ -53,16 +55,14 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def time_train(model, ids, logits_of, steps, warmup, device):
+def time_train(model, ids, logits_of, loss_of, steps, warmup, device):
     """Seconds per forward+backward of a next-token loss, median over steps."""
     times = []
     for i in range(warmup + steps):
         sync(device)
         t0 = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()  # a new step for compile's CUDA graphs (mode="reduce-overhead")
-        logits = logits_of(model, ids)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-        loss.backward()
+        loss_of(logits_of(model, ids), ids).backward()
         model.zero_grad(set_to_none=True)
         sync(device)
         if i >= warmup:
@@ -105,7 +105,7 @@ def print_profile(prof, device, wall, per=1):
     ev = prof.key_averages()
     busy = sum(getattr(e, key) for e in ev) / 1e3 / per  # µs -> ms
     print(f"  profiled step: {wall * 1e3:.1f} ms wall, {busy:.1f} ms of {key.split('_')[1]} time in ops")
-    print(ev.table(sort_by=key, row_limit=40, max_name_column_width=90))
+    print(ev.table(sort_by=key, row_limit=60, max_name_column_width=90))
 
 
 def bench_decode(ours, ref, args, device, versions):
@@ -378,15 +378,23 @@ if __name__ == "__main__":
     # transformers keeps its mHC parameters in fp32 and feeds their fp32 output to bf16 linears, which fails
     # without autocast; it gets autocast in bf16 runs (a mixed-precision peer, as it would be trained)
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    for name, model, fn in (("nano-dsv4-rl", ours, lambda m, x: m(x)),
-                            ("transformers", ref, lambda m, x: m(x).logits)):
+    # the loss: ours is the trainer's (grpo.token_logprobs, compiled by --compile=layers/graphs as in training),
+    # transformers' its usual cross-entropy; the same mean next-token loss
+    # (on every position, the last one's target a dummy, dropped from the mean: as the trainer masks; slicing the
+    # [B, T, vocab] logits first would cost a copy of them in the backward)
+    ours_loss = lambda logits, x: -grpo.token_logprobs(logits, {"tgt": x.roll(-1, 1)})[:, :-1].mean()
+    ref_loss = lambda logits, x: F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
+    for name, model, fn, loss_of in (("nano-dsv4-rl", ours, lambda m, x: m(x), ours_loss),
+                                     ("transformers", ref, lambda m, x: m(x).logits, ref_loss)):
         with amp if name == "transformers" else contextlib.nullcontext():
-            results[name] = t = time_train(model, ids, fn, cli.steps, cli.warmup, device)
+            results[name] = t = time_train(model, ids, fn, loss_of, cli.steps, cli.warmup, device)
         print(f"  {name:14s} {n_tok / t:10.0f} tokens/s   ({t * 1e3:.0f} ms/step)   MFU {flops / t / peak:.1%}", flush=True)
     print(f"  ratio ours / transformers: {results['transformers'] / results['nano-dsv4-rl']:.2f}x")
     if cli.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            wall = time_train(ours, ids, lambda m, x: m(x), 1, 0, device)
+        with profile(activities=acts, record_shapes=bool(cli.trace), with_stack=bool(cli.trace)) as prof:
+            wall = time_train(ours, ids, lambda m, x: m(x), ours_loss, 1, 0, device)
         print_profile(prof, device, wall)
+        if cli.trace:
+            prof.export_chrome_trace(cli.trace)

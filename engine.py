@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import is_stacked, stack_experts_
 from model_dsv4 import rope_cos_sin, sink_attention
 
 GREEDY_T = 1e-6  # SGLang treats temperature below this as greedy
@@ -371,13 +370,10 @@ class Engine:
         return model.logits(x[torch.arange(len(prompts), device=self.device), last][:, None])[:, 0]
 
     def _stack_experts(self):
-        """Experts read in place by the grouped GEMM (kernels.stack_experts_). Re-stacked if something replaced
+        """Experts read in place by the grouped GEMM (Transformer.stack_experts). Re-stacked if something replaced
         the parameters (a dtype cast), and then the CUDA graphs, which read the old stack, are dropped."""
-        for layer in self.model.layers.values():
-            experts = list(layer.ffn.experts.values())
-            if layer.ffn.fast and not is_stacked(experts, getattr(layer.ffn, "stacked", None)):
-                layer.ffn.stacked = stack_experts_(experts)
-                self.graphs = self.graphs and {}  # {} or None as before, without the stale captures
+        if self.model.stack_experts():
+            self.graphs = self.graphs and {}  # {} or None as before, without the stale captures
 
     def decode(self, slots, tokens, pos):
         """One token per sequence. slots, tokens, pos: int64 [B] (on any device) -> fp32 logits [B, vocab].

@@ -24,7 +24,10 @@ import torch.nn.functional as F
 
 class _MatmulF32(torch.autograd.Function):
     """y = a @ b (a [..., M, K], b [..., K, N], both bf16) as fp32. Backward: the fp32 gradient is rounded to bf16
-    once, then two more GEMMs with fp32 results, rounded to the operands' dtype (what a bf16 trainer stores)."""
+    once, then two more GEMMs with fp32 results, rounded to the operands' dtype (what a bf16 trainer stores).
+    b's gradient comes in b's memory layout: for linear_f32's b = w.t() that is a transposed [N, K] result, so the
+    weight's gradient reaches it contiguous (a [K, N] one was copied into the weight's layout: 1.3 ms for
+    bench_2b's output head on an H200)."""
     @staticmethod
     def forward(ctx, a, b):
         ctx.save_for_backward(a, b)
@@ -34,7 +37,9 @@ class _MatmulF32(torch.autograd.Function):
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         g = g.to(a.dtype)
-        return g @ b.transpose(-1, -2), a.transpose(-1, -2) @ g
+        t = lambda x: x.transpose(-1, -2)
+        gb = t(t(g) @ a) if b.stride(-2) == 1 and b.stride(-1) != 1 else t(a) @ g  # b transposed: compute b.T's
+        return g @ t(b), gb
 
 
 def matmul_f32(a, b):
@@ -50,9 +55,9 @@ def linear_f32(x, w):
 
 
 def stack_experts_(experts):
-    """For inference (engine.py): move the local experts' weights into two stacked tensors and make each expert's
-    parameters views of them, so grouped_experts reads them in place instead of stacking every step. Weight
-    loads write through the views. Returns (w13 [e, 2I, D], w2 [e, D, I])."""
+    """Move the local experts' weights into two stacked tensors and make each expert's parameters views of them,
+    so grouped_experts reads them in place instead of stacking them on every forward (Transformer.stack_experts).
+    Weight loads and optimizer steps write through the views. Returns (w13 [e, 2I, D], w2 [e, D, I])."""
     I = experts[0].w1.weight.shape[0]
     w13 = torch.stack([torch.cat([e.w1.weight.data, e.w3.weight.data]) for e in experts])
     w2 = torch.stack([e.w2.weight.data for e in experts])
@@ -71,15 +76,34 @@ def is_stacked(experts, stacked):
         and e.w2.weight.data_ptr() == stacked[1][j].data_ptr() for j, e in ((0, experts[0]), (i, experts[i])))
 
 
+class _StackedExperts(torch.autograd.Function):
+    """The stacks of stack_experts_ as a function of the experts' parameters, which are views of them: the forward
+    passes the stacks on as they are, the backward hands each parameter its slice of their gradient (views too).
+    No copy either way, where torch.stack copies every expert's weights on every forward (bench_2b on an H200:
+    0.35 ms per layer, 4.5% of a training step)."""
+    @staticmethod
+    def forward(ctx, w13, w2, *params):  # params: w1, w3, w2 of each expert in turn
+        return w13.view_as(w13), w2.view_as(w2)
+
+    @staticmethod
+    def backward(ctx, g13, g2):
+        I = g13.shape[1] // 2
+        return None, None, *[g for i in range(len(g2)) for g in (g13[i, :I], g13[i, I:], g2[i])]
+
+
 def grouped_experts(experts, xs, ws, counts, limit, stacked=None):
     """xs [R, D] rows sorted by local expert, ws [R] fp32 routing weights, counts [e] rows per expert (a tensor:
     no host sync) -> [R, D]. Same math as Expert.forward: clamped SwiGLU, routing weight before w2.
-    The weights: `stacked` (stack_experts_) when no gradient is wanted and the parameters are still its views
-    (a deepcopy or a dtype cast breaks that), else stacked here (the checkpoint keeps a tensor per expert)."""
-    # under torch.compile the caller vouches for `stacked` (Engine.decode checks it outside the compiled code)
-    if torch.is_grad_enabled() or stacked is None or not (torch.compiler.is_compiling() or is_stacked(experts, stacked)):
-        stacked = (torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in experts]),  # [e, 2I, D]
-                   torch.stack([e.w2.weight for e in experts]))  # [e, D, I]
+    The weights: `stacked` (stack_experts_) while the parameters are still its views (a deepcopy or a dtype cast
+    breaks that), read in place; else stacked here (the checkpoint keeps a tensor per expert)."""
+    # under torch.compile the caller vouches for `stacked` (Transformer.stack_experts checks it before each forward)
+    if stacked is None or not (torch.compiler.is_compiling() or is_stacked(experts, stacked)):
+        # w1 and w3 of each expert in turn, stacked [2e, I, D], is [e, 2I, D] with each expert's cat([w1, w3]):
+        # one copy of each weight (a cat per expert and then a stack moved them twice, in ~60 kernels per layer)
+        w13 = torch.stack([w for e in experts for w in (e.w1.weight, e.w3.weight)])
+        stacked = w13.view(len(experts), -1, w13.shape[-1]), torch.stack([e.w2.weight for e in experts])  # [e, D, I]
+    elif torch.is_grad_enabled():
+        stacked = _StackedExperts.apply(*stacked, *[w for e in experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)])
     w13, w2 = stacked
     offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
     g, u = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)

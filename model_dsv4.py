@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 import torch.nn.functional as F
-from kernels import PathInvariant, grouped_experts, linear_f32, matmul_f32, window_attention
+from kernels import PathInvariant, grouped_experts, is_stacked, linear_f32, matmul_f32, stack_experts_, window_attention
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
 # -----------------------------------------------------------------------------
@@ -513,6 +513,7 @@ class MoE(nn.Module):
     With an EP group, this rank holds experts [ep_rank * n_local, (ep_rank + 1) * n_local); the router
     and the shared expert are replicated. Expert names keep their global index (experts.{e})."""
     fast = False  # set by Transformer.set_kernels: grouped GEMM experts (kernels.py)
+    stacked = None  # the local experts' weights in two stacks, the parameters views of them: Transformer.stack_experts
     def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
         self.args, self.ep_group = args, ep_group
@@ -530,8 +531,7 @@ class MoE(nn.Module):
         # grouped GEMM: bf16 on CUDA (any dtype on the CPU); FP8 emulation has its sims in Expert only
         if self.fast and (xs.dtype == torch.bfloat16 or not xs.is_cuda) and not self.shared_experts.w1.fp8_emu:
             counts = counts if torch.is_tensor(counts) else torch.tensor(counts, device=xs.device)
-            return grouped_experts(list(self.experts.values()), xs, ws, counts, self.args.swiglu_limit,
-                                   getattr(self, "stacked", None))
+            return grouped_experts(list(self.experts.values()), xs, ws, counts, self.args.swiglu_limit, self.stacked)
         return self.loop_experts(xs, ws, counts)
 
     @torch.compiler.disable  # row counts read on the host: under compile='layers' this runs eagerly (inductor
@@ -739,6 +739,20 @@ class Transformer(nn.Module):
             m.fast = fast
         return self
 
+    def stack_experts(self):
+        """With the grouped GEMM on (set_kernels), keep each MoE's local experts in two stacked tensors, the
+        experts' parameters views of them (kernels.stack_experts_), so that each forward reads them in place.
+        Re-stacks the layers whose parameters something replaced (a dtype or device cast, a load with assign=True):
+        every forward calls this first (two pointer checks per layer), since compiled code reads the stacks as
+        given. Returns whether it stacked anything (the engine's CUDA graphs then read old stacks)."""
+        changed = False
+        for m in (block.ffn for block in (*self.layers.values(), *self.mtp)):  # not modules(): 9 ms per walk
+            if m.fast and not is_stacked(list(m.experts.values()), m.stacked):  # of bench_2b's 3644 (dev CPU)
+                m.stacked, changed = stack_experts_(list(m.experts.values())), True
+                for t in m.stacked:  # to compile's CUDA graphs a fixed address, as a parameter's (not copied in)
+                    torch._dynamo.mark_static_address(t, guard=False)
+        return changed
+
     def set_invariant(self, on=True):
         """Path-invariant numerics (compare_logprobs --invariant, rollout.py --serve --invariant): a token's logprob
         no longer depends on how it was computed (one full forward, or prefill + KV-cache decode in a batch of any
@@ -766,6 +780,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids, mtp=False):
         """input_ids [B, T] -> fp32 logits [B, T, vocab]. With mtp=True also the MTP logits
         [B, T-1, vocab], where position t predicts token t+2."""
+        self.stack_experts()
         with self.numerics():
             x = self.embed_streams(input_ids)
             for layer in self.layers.values():

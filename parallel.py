@@ -173,6 +173,7 @@ def stage_forward(model, x, ids, recompute=False):
     """x: [B, T, n, D] from the previous stage, or None on the first stage -> streams, or fp32 logits on the last.
     Every stage gets the micro-batch's token ids: hash-routed layers read them, wherever they sit.
     The caller enters model.numerics() (path-invariant sums, set_invariant), so that the loss is inside too."""
+    model.stack_experts()
     if x is None:
         x = model.embed_streams(ids)
     rerun = lambda: (nullcontext(), model.numerics())  # a recomputed layer rounds as its forward did
