@@ -9,5 +9,6 @@ drop() { grep -v "Loading weights" | grep -v -i "warn\|online softmax\|split the
 { nvidia-smi -L; git log -1 --oneline; git status --short | head; } > $O/log.txt
 # step NAME SECONDS CMD...: CMD's output goes straight to $O/NAME.raw, which comes back even when the call is cut
 # (session 10's calls 2 and 3 lost theirs in the buffers of a `| grep | cut` pipeline); then drop's view of it, with
-# the exit status and the start and end times, in $O/NAME.txt
-step() { local n=$1 t=$2; shift 2; { date +%T; timeout "$t" "$@" > "$O/$n.raw" 2>&1; echo "rc $?"; drop < "$O/$n.raw" | cut -c1-220; date +%T; } > "$O/$n.txt"; }
+# the exit status and the start and end times, in $O/NAME.txt. KILL 15 s after the TERM (from session 11 on): the
+# trainer finishes its step on TERM (faults.Preemption), which held session 11's call 2 to its limit while compiling
+step() { local n=$1 t=$2; shift 2; { date +%T; timeout -k 15 "$t" "$@" > "$O/$n.raw" 2>&1; echo "rc $?"; drop < "$O/$n.raw" | cut -c1-220; date +%T; } > "$O/$n.txt"; }
