@@ -54,13 +54,21 @@ def linear_f32(x, w):
     return matmul_f32(x.reshape(-1, x.shape[-1]), w.t()).view(*x.shape[:-1], w.shape[0])
 
 
+def stack(experts):
+    """(w13 [e, 2I, D], w2 [e, D, I]) of the experts' weights. w1 and w3 of each expert in turn, stacked [2e, I, D],
+    is [e, 2I, D] with each expert's cat([w1, w3]): one copy of each weight (a cat per expert and then a stack moved
+    them twice, in ~60 kernels per layer)."""
+    w13 = torch.stack([w for e in experts for w in (e.w1.weight, e.w3.weight)])
+    return w13.view(len(experts), -1, w13.shape[-1]), torch.stack([e.w2.weight for e in experts])
+
+
 def stack_experts_(experts):
     """Move the local experts' weights into two stacked tensors and make each expert's parameters views of them,
     so grouped_experts reads them in place instead of stacking them on every forward (Transformer.stack_experts).
     Weight loads and optimizer steps write through the views. Returns (w13 [e, 2I, D], w2 [e, D, I])."""
     I = experts[0].w1.weight.shape[0]
-    w13 = torch.stack([torch.cat([e.w1.weight.data, e.w3.weight.data]) for e in experts])
-    w2 = torch.stack([e.w2.weight.data for e in experts])
+    with torch.no_grad():
+        w13, w2 = stack(experts)
     for i, e in enumerate(experts):
         e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = w13[i, :I], w13[i, I:], w2[i]
     return w13, w2
@@ -98,10 +106,7 @@ def grouped_experts(experts, xs, ws, counts, limit, stacked=None):
     breaks that), read in place; else stacked here (the checkpoint keeps a tensor per expert)."""
     # under torch.compile the caller vouches for `stacked` (Transformer.stack_experts checks it before each forward)
     if stacked is None or not (torch.compiler.is_compiling() or is_stacked(experts, stacked)):
-        # w1 and w3 of each expert in turn, stacked [2e, I, D], is [e, 2I, D] with each expert's cat([w1, w3]):
-        # one copy of each weight (a cat per expert and then a stack moved them twice, in ~60 kernels per layer)
-        w13 = torch.stack([w for e in experts for w in (e.w1.weight, e.w3.weight)])
-        stacked = w13.view(len(experts), -1, w13.shape[-1]), torch.stack([e.w2.weight for e in experts])  # [e, D, I]
+        stacked = stack(experts)
     elif torch.is_grad_enabled():
         stacked = _StackedExperts.apply(*stacked, *[w for e in experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)])
     w13, w2 = stacked
