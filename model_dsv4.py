@@ -296,7 +296,9 @@ class Indexer(nn.Module):
         q = index_quant_sim(q) if self.wq_b.fp8_emu else q  # k was rotated and rounded by the compressor
         w = F.linear(x, self.weights_proj.weight).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         s = matmul_f32(q.flatten(1, 2), k.transpose(1, 2)).view(B, T, self.n_heads, -1).relu()
-        return torch.einsum("bths,bth->bts", s, w)
+        if torch.compiler.is_compiling():  # inductor fuses the ReLU, product and sum into one pass over s (on an
+            return (s * w[..., None]).sum(2)  # H200, bench_2b: 0.16 against 0.32 ms, bench/probe_layer.py)
+        return torch.einsum("bths,bth->bts", s, w)  # eager: a batched GEMV
 
     def forward(self, x, qr, args, visible):
         # visible: [T, S] causal visibility of compressed entries -> bool [B, T, S] selected entries

@@ -74,7 +74,9 @@ def test_model_fast_equals_reference(args, T):
         logits = m(ids)
         logits.log_softmax(-1)[..., 0].sum().backward()
         out.append((logits, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
-    torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-5, atol=1e-5)
+    # logits relative to the largest one (~4.8): 1.6e-5 apart at most on the H200 host's CPU, 1.0e-5 on the dev box
+    # (the softmax in two parts; 0.7e-5 with the concatenated row), fp32 rounding carried through 8 layers
+    assert (out[0][0] - out[1][0]).abs().max() <= 1e-5 * out[1][0].abs().max()
     assert out[0][1].keys() == out[1][1].keys()
     for n, a in out[0][1].items():  # relative to the tensor's largest entry: sums of many terms cancel (the
         b = out[1][1][n]            # hc scales' gradients sum over every token: 1.1e-5 seen on the H200 host's CPU)
