@@ -6,12 +6,14 @@ Fast paths for the model's expensive pieces, each beside the plain reference it 
     the result); the reference writes F.linear(x.float(), w.float()), which is the same product but runs as an
     fp32 GEMM. Used by the router, the compressors, the indexer and the output head. Always on: on the CPU or in
     fp32 it *is* the reference.
+  - hc_mixes_bf16: mHC's mixes from bf16 streams by GEMMs on bf16 tensor cores, fn split into three bf16 parts,
+    as accurate as the reference's fp32 GEMM (model_dsv4.hc_mixes). Used by Block.hc_pre when the kernels are on.
   - grouped_experts: every local expert in two grouped GEMMs (torch._grouped_mm) instead of a Python loop.
     Reference: MoE.run_experts.
   - window_attention: sink attention over [window keys | compressed keys] computed per block of `window` queries,
     so the [T, T] score matrix of the reference (sink_attention with a band mask) is never formed.
 
-`Transformer.set_kernels(True)` switches grouped_experts and window_attention on (train_grpo.py: `kernels='auto'` =
+`Transformer.set_kernels(True)` switches hc_mixes_bf16, grouped_experts and window_attention on (train_grpo.py: `kernels='auto'` =
 on for CUDA).
 compile_hot_paths / compile_layers (train_grpo.py `compile`, bench.py --compile) add torch.compile.
 PathInvariant goes the other way, exact and slow: every sum in fp64 (Transformer.set_invariant).
@@ -62,6 +64,58 @@ def stack(experts):
     them twice, in ~60 kernels per layer)."""
     w13 = torch.stack([w for e in experts for w in (e.w1.weight, e.w3.weight)])
     return w13.view(len(experts), -1, w13.shape[-1]), torch.stack([e.w2.weight for e in experts])
+
+
+def split_bf16(t, parts=3):
+    """fp32 t -> `parts` bf16 tensors that sum to t: each the leading 8 significant bits of what the ones before left
+    over, cut by clearing the low 16 bits of its fp32 pattern. Three parts hold all 24 bits: the sum is exact. (Cut,
+    not rounded: a part is exact in bf16 before its cast, which matters under torch.compile, where inductor drops a
+    fp32 -> bf16 -> fp32 round trip inside a kernel and a rounded split would leave the later parts zero.)"""
+    out = []
+    for _ in range(parts):
+        part = (t.view(torch.int32) & -65536).view(torch.float32)  # 0xFFFF0000: sign, exponent, 7 mantissa bits
+        out.append(part.to(torch.bfloat16))
+        t = t - part
+    return out
+
+
+def mm_f32(a, b):
+    """a @ b with an fp32 result, a and b 2-D: one bf16 GEMM with fp32 output on a GPU, fp32 GEMM elsewhere."""
+    return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda and a.dtype == b.dtype == torch.bfloat16 else \
+        a.float() @ b.float()
+
+
+class _HcMixes(torch.autograd.Function):
+    """model_dsv4.hc_mixes for bf16 streams: (x @ fn.T) * rsqrt(mean(x^2) + eps), x bf16 [M, K], fn fp32 [R, K].
+    The reference converts x to fp32 and runs an fp32 GEMM, which takes no tensor cores (FFMA kernels). Here x is
+    used as it is (exact in bf16) and fn is split exactly into three bf16 parts (split_bf16): one GEMM with an fp32
+    result over [f0; f1; f2] gives the three products, summed after. The GEMM is narrow (R = 24 outputs) and bound
+    by reading x, so the extra rows cost little. Backward likewise, with the fp32 gradient dz = dy r split too and
+    all nine products of parts in one GEMM: dx = dz @ fn - (sum(dy * z) r^3 / K) x, dfn = dz.T @ x. R is padded to
+    a multiple of 8 (GEMM alignment)."""
+    @staticmethod
+    def forward(ctx, x, fn, eps):
+        R, Rp = fn.shape[0], fn.shape[0] + -fn.shape[0] % 8
+        z = mm_f32(x, torch.cat(split_bf16(F.pad(fn, (0, 0, 0, Rp - R)))).t())  # [M, 3 Rp]
+        z = z[:, :R] + z[:, Rp:Rp + R] + z[:, 2 * Rp:2 * Rp + R]
+        r = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, fn, z, r)
+        return z * r
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, fn, z, r = ctx.saved_tensors
+        R, Rp = fn.shape[0], fn.shape[0] + -fn.shape[0] % 8
+        g, f = split_bf16(F.pad(dy * r, (0, Rp - R))), split_bf16(F.pad(fn, (0, 0, 0, Rp - R)))
+        dzw = mm_f32(torch.cat([gi for gi in g for _ in f], 1), torch.cat(f * len(g)))  # [M, K]: sum of g_i f_j
+        dx = dzw - ((dy * z).sum(-1, keepdim=True) * r.pow(3) / x.shape[-1]) * x.float()
+        dfn = mm_f32(torch.cat(g, 1).t(), x)  # [3 Rp, K]
+        return dx.to(x.dtype), dfn[:R] + dfn[Rp:Rp + R] + dfn[2 * Rp:2 * Rp + R], None
+
+
+def hc_mixes_bf16(x, fn, eps):
+    """x bf16 [..., K], fn fp32 [R, K] -> fp32 [..., R]: _HcMixes over the flattened rows."""
+    return _HcMixes.apply(x.reshape(-1, x.shape[-1]), fn, eps).view(*x.shape[:-1], fn.shape[0])
 
 
 def stack_experts_(experts):
@@ -172,8 +226,7 @@ def use_compile(mode):
 def compile_layers(backend="inductor", graphs=False):
     """`compile='layers'`: torch.compile a whole layer at a time, where the step is bound by launching small
     kernels. Block.forward (the trainer's layers and MTP), the GRPO losses (grpo.grpo_loss,
-    grpo.token_logprobs: 9.2 -> 5.5 ms forward+backward over bench_2b's 4096 x 129280 logits on an H200,
-    bench/probe_loss.py), Engine._decode_layer (one decode step of a layer) and the engine's sampler
+    grpo.token_logprobs), Engine._decode_layer (one decode step of a layer) and the engine's sampler
     (engine.sample_tokens) are swapped for compiled versions; layers of one kind (window /
     CSA / HCA, hash or learned router) share one compiled graph, since a module's parameters are inputs of the
     graph, not constants. The engine's prefill stays eager (one call per admitted batch). The first call of each

@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 import torch.nn.functional as F
-from kernels import PathInvariant, grouped_experts, is_stacked, linear_f32, matmul_f32, stack_experts_, window_attention
+from kernels import (PathInvariant, grouped_experts, hc_mixes_bf16, is_stacked, linear_f32, matmul_f32, stack_experts_,
+                     window_attention)
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
 # -----------------------------------------------------------------------------
@@ -570,14 +571,19 @@ def hc_split_sinkhorn(mixes, scale, base, n, iters, eps):
     pre = torch.sigmoid(pre * scale[0] + base[:n]) + eps
     post = 2 * torch.sigmoid(post * scale[1] + base[n:2 * n])
     comb = comb.unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n)
-    comb = comb.softmax(dim=-1) + eps
+    return pre, post, sinkhorn(comb.softmax(dim=-1) + eps, iters, eps)
+
+
+def sinkhorn(comb, iters, eps):
+    """comb [..., n, n] > 0 -> doubly stochastic: columns, then rows and columns iters - 1 times, each divided by
+    its sum + eps."""
     if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # decode: one tensor per entry (below)
-        return pre, post, sinkhorn_entries(comb, iters, eps)
+        return sinkhorn_entries(comb, iters, eps)
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
+    return comb
 
 
 def sinkhorn_entries(comb, iters, eps):
@@ -604,8 +610,10 @@ def sinkhorn_entries(comb, iters, eps):
     return torch.stack([torch.stack(row, -1) for row in c], -2)
 
 
-def hc_mixes(x, fn, norm_eps):
+def hc_mixes(x, fn, norm_eps, fast=False):
     # x: [B, T, n, D] -> fp32 [B, T, rows of fn]; an unweighted RMSNorm over all n*D values, then fn
+    if fast and x.dtype == torch.bfloat16:  # kernels.py: the same on tensor cores, fn in three bf16 parts
+        return hc_mixes_bf16(x.flatten(2), fn, norm_eps)
     xf = x.flatten(2).float()
     return F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
 
@@ -618,6 +626,7 @@ def hc_head(x, fn, scale, base, args):
 
 class Block(nn.Module):
     """One layer: attention and MoE sublayers, each wrapped by hc_pre (n streams -> 1) and hc_post (1 -> n)."""
+    fast = False  # set by Transformer.set_kernels: hc_pre's mixes on tensor cores (kernels.hc_mixes_bf16)
     def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
         self.args, self.layer_id = args, layer_id
@@ -634,7 +643,7 @@ class Block(nn.Module):
     def hc_pre(self, x, fn, scale, base):
         # x: [B, T, n, D] -> input [B, T, D], post [B, T, n], comb [B, T, n, n]
         a = self.args
-        pre, post, comb = hc_split_sinkhorn(hc_mixes(x, fn, a.rms_norm_eps), scale, base, a.hc_mult,
+        pre, post, comb = hc_split_sinkhorn(hc_mixes(x, fn, a.rms_norm_eps, self.fast), scale, base, a.hc_mult,
                                             a.hc_sinkhorn_iters, a.hc_eps)
         return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype), post, comb
 
@@ -736,8 +745,9 @@ class Transformer(nn.Module):
         return self
 
     def set_kernels(self, fast=True):
-        """kernels.py's block-wise window attention and grouped GEMM experts (on) or the plain reference (off)."""
-        for m in (m for m in self.modules() if isinstance(m, (Attention, MoE))):
+        """kernels.py's block-wise window attention, grouped GEMM experts and bf16 mHC mixes (on) or the plain
+        reference (off)."""
+        for m in (m for m in self.modules() if isinstance(m, (Attention, MoE, Block))):
             m.fast = fast
         return self
 

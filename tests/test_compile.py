@@ -148,7 +148,7 @@ def test_compile_layers_decode_as_close_as_eager(compile_layers):
 def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
     """What compile_layers swaps in for the engine's sampler draws the eager sampler's tokens, and the Sinkhorn loop
     that compiled code takes without autograd (model_dsv4.sinkhorn_entries, one tensor per entry) gives the batched
-    loop's mixes, and compiled code with autograd keeps the batched loop."""
+    loop's mixes, and compiled code with autograd keeps the batched loop (mixes and gradient as eager's)."""
     import engine
     from model_dsv4 import hc_split_sinkhorn
     g = torch.Generator().manual_seed(3)
@@ -163,8 +163,12 @@ def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
     for k, w in zip((3, 6), want):
         got = engine.sample_tokens(logits[:k], params[:k], draws[:k], k > 3)
         assert torch.equal(got[0], w[0]) and (got[1] - w[1]).abs().max() < 1e-5
-    args = (torch.randn(2, 7, 24, generator=g), torch.randn(3, generator=g), torch.randn(24, generator=g), 4, 20, 1e-6)
+    mixes = torch.randn(2, 7, 24, generator=g, requires_grad=True)
+    args = (mixes, torch.randn(3, generator=g), torch.randn(24, generator=g), 4, 20, 1e-6)
+    dys = [torch.randn(2, 7, *s, generator=g) for s in ((4,), (4,), (4, 4))]
+    grad_of = lambda outs: torch.autograd.grad(sum((o * d).sum() for o, d in zip(outs, dys)), mixes)[0]
     want = hc_split_sinkhorn(*args)
+    want_grad = grad_of(want)
     counts = {}
     for grad in (False, True):
         torch._dynamo.reset()
@@ -174,6 +178,8 @@ def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
         counts[grad] = sum(n.target is torch.stack for n in graph.graph.nodes)  # sinkhorn_entries stacks its entries
         for a, b in zip(want, got):
             assert (a - b).abs().max() < 1e-6
+        if grad:
+            assert (grad_of(got) - want_grad).abs().max() < 1e-5 * want_grad.abs().max()
     assert counts == {False: 5, True: 0}, counts
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import SMALL, TINY, randomize_
-from kernels import grouped_experts, linear_f32, matmul_f32, window_attention
-from model_dsv4 import Transformer, sink_attention
+from kernels import grouped_experts, hc_mixes_bf16, linear_f32, matmul_f32, split_bf16, window_attention
+from model_dsv4 import Transformer, hc_mixes, sink_attention
 
 CUDA = torch.cuda.is_available()
 
@@ -38,6 +38,51 @@ def test_window_attention_equals_band_mask(T, S):
         outs.append((y, *grads))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_split_bf16_is_exact_eager_and_compiled():
+    """Three bf16 parts sum to the fp32 value exactly, over 40 decades, also under torch.compile (inductor drops a
+    fp32 -> bf16 -> fp32 round trip, which left a rounded split's later parts zero: session 9)."""
+    t = torch.randn(4000, generator=torch.Generator().manual_seed(1)) * torch.logspace(-20, 20, 4000)
+    for parts in (split_bf16(t), torch.compile(split_bf16)(t)):
+        assert all(p.dtype == torch.bfloat16 for p in parts) and (parts[1] != 0).float().mean() > 0.9
+        assert torch.equal(parts[0].float() + parts[1].float() + parts[2].float(), t)
+
+
+@pytest.mark.parametrize("R", [24, 4])
+def test_hc_mixes_bf16_as_accurate_as_fp32(R):
+    """mHC's mixes from bf16 streams with fn in three bf16 parts, against fp64: the mixes and dfn within 1e-5 of their
+    largest value, and on the CPU within 2x the fp32 reference's error (an H200's tensor cores accumulate less
+    exactly than its fp32 FFMA GEMM: ~8x the reference's error there, session 9); dx (bf16, as the streams) the
+    exact value's rounding but for rare one-step flips. On a GPU the GEMMs run on tensor cores, eager and compiled
+    by inductor (the training layers' form); on the CPU the same parts in fp32 GEMMs. R = 4 takes the padding to 8
+    rows."""
+    dev = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(R)
+    x = torch.randn(2, 96, 4, 256, generator=g).mul(3).bfloat16().to(dev).requires_grad_()
+    fn = (torch.randn(R, 4 * 256, generator=g) * 0.05).to(dev).requires_grad_()
+    dy = torch.randn(2, 96, R, generator=g).to(dev)
+    exact = lambda xd, fd: (xd @ fd.T) * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6)
+    outs = {}
+    forms = {"fast": lambda: hc_mixes_bf16(x.flatten(2), fn, 1e-6), "ref": lambda: hc_mixes(x, fn, 1e-6),
+             "exact": lambda: exact(x.double().flatten(2), fn.double())}
+    if CUDA:
+        forms["compiled"] = lambda: torch.compile(hc_mixes_bf16)(x.flatten(2), fn, 1e-6)
+    for name, f in forms.items():
+        y = f()
+        outs[name] = (y, *torch.autograd.grad((y * dy).sum(), [x, fn]))
+    err = lambda a, b: (a.double() - b).abs().max().item()
+    for name in ("fast", "compiled") if CUDA else ("fast",):
+        y, dx, dfn = outs[name]
+        assert y.dtype == torch.float32 and dx.dtype == torch.bfloat16 and dfn.dtype == torch.float32
+        for i in (0, 2):  # the largest error within 1e-5 of the largest value (bf16 streams carry 4e-3), and on the
+            e_fast, e_ref = err(outs[name][i], outs["exact"][i]), err(outs["ref"][i], outs["exact"][i])  # CPU, where
+            assert e_fast < 1e-5 * outs["exact"][i].abs().max().item(), (name, i, e_fast, e_ref)  # both accumulate
+            assert CUDA or e_fast <= 2 * e_ref + 1e-12, (i, e_fast, e_ref)  # as fp32 GEMMs, within 2x the reference's
+        # dx is bf16 on all three: the fp32-level differences before its rounding flip a rare element by one bf16 step
+        dx0 = outs["exact"][1]
+        flips = (dx != dx0).float().mean().item()
+        assert flips < 2e-3 and err(dx, dx0) <= 2 ** -7 * dx0.abs().max().item(), (name, flips)
 
 
 def test_grouped_experts_equal_loop():

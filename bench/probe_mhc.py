@@ -1,0 +1,154 @@
+"""mHC under inductor on a GPU, bench_2b's sizes (4096 tokens, n = 4 streams of 1536, bf16): forms of its pieces,
+each compiled alone, with its first call (a cold cache compiles), its kernels per call and their time (from the
+profiler), and its time per call replayed as one CUDA graph (as in `--compile=graphs`, without launch costs):
+  - Sinkhorn with autograd (the training step): the batched loop (model_dsv4.sinkhorn) against each token's n x n
+    entries as one row of n * n, summed under masks (below);
+  - Sinkhorn without autograd (the engine's decode): one tensor per entry (model_dsv4.sinkhorn_entries) against the
+    masked form;
+  - a whole sublayer, forward+backward (Block.hc_pre, then Block.hc_post with the identity as the sublayer): the
+    mixes as an fp32 GEMM (the reference) or on bf16 tensor cores (kernels.hc_mixes_bf16), with the batched or the
+    masked Sinkhorn, each checked against the first.
+python bench/probe_mhc.py   (PROBE_BACKEND=aot_eager and a few tokens: the CPU smoke test)
+Session 13 (2026-12-02, H200, torch 2.11.0+cu130, bench/gpu_session13.sh) kept the bf16 mixes and found the row
+form (one [..., n] tensor per row) slower than the batched loop: 177 kernels against 158 forward+backward, inductor
+writing out every step."""
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model_dsv4 as m  # noqa: E402
+
+BACKEND = os.environ.get("PROBE_BACKEND", "inductor")
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+T = int(os.environ.get("PROBE_TOKENS", 4096 if CUDA else 64))
+sync = torch.cuda.synchronize if CUDA else (lambda: None)
+
+
+def masked(comb, iters, eps):
+    """Each token's n x n entries as one row of n * n; row i's sum (or column j's) is the row's sum under the mask of
+    its entries, and each entry is divided by the sum of its own row (column). Every step reduces and divides over
+    the same [..., n * n] index space, the pattern of a softmax, which inductor can chain in one kernel."""
+    n = comb.shape[-1]
+    c, e = comb.flatten(-2), torch.arange(n * n, device=comb.device)
+    rows, cols = [e // n == i for i in range(n)], [e % n == j for j in range(n)]
+
+    def norm(c, masks):
+        return c / (sum(torch.where(k, torch.where(k, c, 0.0).sum(-1, keepdim=True), 0.0) for k in masks) + eps)
+
+    c = norm(c, cols)
+    for _ in range(iters - 1):
+        c = norm(norm(c, rows), cols)
+    return c.unflatten(-1, (n, n))
+
+
+def measure(name, fn):
+    """fn() runs one call. Prints its first call, kernels per call, kernel time and CUDA-graph replay time."""
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    first = time.perf_counter() - t0
+    for _ in range(3):
+        fn()
+    sync()
+    line = f"{name:44s} first call {first:6.1f} s"
+    if CUDA:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            sync()
+        ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        line += f"  {len(ks) / 5:6.0f} kernels, {sum(e.device_time for e in ks) / 5:7.1f} us kernel time"
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            for _ in range(3):
+                graph.replay()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                graph.replay()
+            sync()
+            line += f", {(time.perf_counter() - t0) / 20 * 1e6:7.1f} us a CUDA-graph replay"
+        except Exception as e:  # noqa: BLE001
+            line += f", no graph ({type(e).__name__}: {str(e)[:80]})"
+    print(line, flush=True)
+
+
+def sinkhorns():
+    g = torch.Generator(device=DEV).manual_seed(0)
+    logits = torch.randn(T, 4, 4, device=DEV, generator=g, requires_grad=True)
+    dy = torch.randn(T, 4, 4, device=DEV, generator=g)
+    want = None
+    for name, form in (("batched", m.sinkhorn), ("masked", masked)):
+        torch._dynamo.reset()
+        f = torch.compile(lambda t, form=form: form(t.softmax(-1) + 1e-6, 20, 1e-6), backend=BACKEND)
+        out = {}
+
+        def once():
+            out["y"] = f(logits)
+            out["g"], = torch.autograd.grad(out["y"], logits, dy)
+        measure(f"Sinkhorn fwd+bwd, {name}", once)
+        if want is None:
+            want = (out["y"].clone(), out["g"].clone())
+        else:
+            print(f"    against batched: out {(out['y'] - want[0]).abs().max():.1e}, grad {(out['g'] - want[1]).abs().max():.1e}"
+                  f" (largest {want[1].abs().max():.1e})")
+    with torch.no_grad():
+        for name, form in (("entries", m.sinkhorn_entries), ("masked", masked)):
+            torch._dynamo.reset()
+            f = torch.compile(lambda t, form=form: form(t.softmax(-1) + 1e-6, 20, 1e-6), backend=BACKEND)
+            measure(f"Sinkhorn forward, no grad, {name}", lambda: f(logits))
+
+
+def sublayers():
+    args = m.ModelArgs(hidden_size=1536, hc_mult=4)
+    block = m.Block.__new__(m.Block)  # only the mHC parameters and methods are used
+    torch.nn.Module.__init__(block)
+    block.args, n, D = args, args.hc_mult, args.hidden_size
+    g = torch.Generator(device=DEV).manual_seed(1)
+    fn = (torch.randn((2 + n) * n, n * D, device=DEV, generator=g) * 0.02).requires_grad_()
+    scale = torch.tensor([0.5, 0.5, 1.0], device=DEV, requires_grad=True)
+    base = (torch.randn((2 + n) * n, device=DEV, generator=g) * 0.1).requires_grad_()
+    x = torch.randn(1, T, n, D, device=DEV, generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(1, T, n, D, device=DEV, generator=g).bfloat16()
+
+    def sublayer(x, fn, scale, base):
+        h, post, comb = block.hc_pre(x, fn, scale, base)
+        return block.hc_post(h, x, post, comb)
+
+    want, batched = None, m.sinkhorn
+    for fast, form in ((False, batched), (True, batched), (True, masked)):
+        torch._dynamo.reset()
+        block.fast, m.sinkhorn = fast, form  # hc_split_sinkhorn calls model_dsv4.sinkhorn
+        f = torch.compile(sublayer, backend=BACKEND)
+        out = {}
+
+        def once():
+            out["y"] = f(x, fn, scale, base)
+            out["g"] = torch.autograd.grad(out["y"], [x, fn, base], dy)
+        name = f"sublayer, {'bf16' if fast else 'fp32'} mixes, {'batched' if form is batched else form.__name__}"
+        measure(name, once)
+        got = (out["y"].float(), *(t.float() for t in out["g"]))
+        if want is None:
+            want = [t.clone() for t in got]
+        else:
+            rel = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want)]
+            print("    against the first, largest difference over largest value: out, dx, dfn, dbase "
+                  + " ".join(f"{r:.1e}" for r in rel))
+    m.sinkhorn = batched
+
+
+if __name__ == "__main__":
+    print(f"{torch.cuda.get_device_name() if CUDA else 'cpu'}, torch {torch.__version__}, {T} tokens, {BACKEND}")
+    sinkhorns()
+    sublayers()
