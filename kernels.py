@@ -13,8 +13,8 @@ Fast paths for the model's expensive pieces, each beside the plain reference it 
   - window_attention: sink attention over [window keys | compressed keys] computed per block of `window` queries,
     so the [T, T] score matrix of the reference (sink_attention with a band mask) is never formed.
 
-`Transformer.set_kernels(True)` switches hc_mixes_bf16, grouped_experts and window_attention on (train_grpo.py: `kernels='auto'` =
-on for CUDA).
+`Transformer.set_kernels(True)` switches hc_mixes_bf16, grouped_experts and window_attention on (train_grpo.py:
+`kernels='auto'` = on for CUDA).
 compile_hot_paths / compile_layers (train_grpo.py `compile`, bench.py --compile) add torch.compile.
 PathInvariant goes the other way, exact and slow: every sum in fp64 (Transformer.set_invariant).
 """

@@ -1,9 +1,10 @@
 # Sourced by the device scripts from session 10 on (bench/gpu_session*.sh): unbuffered Python, inductor's and
-# Triton's caches under /tmp/ind (filled from .ind/ when it was carried), the output folder, and `drop`, a filter
-# for the warnings that fill a compile's log. Earlier scripts repeat these lines themselves.
+# Triton's caches under /tmp/ind (filled from each group of chunks .ind/NAME.txz.* when .ind was carried), the
+# output folder, and `drop`, a filter for the warnings that fill a compile's log. Earlier scripts repeat these lines
+# themselves.
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind/inductor TRITON_CACHE_DIR=/tmp/ind/triton
 O=${OUT:-/tmp}
-mkdir -p /tmp/ind && if ls .ind/ind.txz.* >/dev/null 2>&1; then cat .ind/ind.txz.* | xz -d | tar x -C /tmp/ind; fi
+mkdir -p /tmp/ind && for g in .ind/*.txz.aa; do [ -e "$g" ] && cat "${g%aa}"* | xz -d | tar x -C /tmp/ind; done
 B2=config/models/bench_2b.json
 drop() { grep -v "Loading weights" | grep -v -i "warn\|online softmax\|split the\|important use case\|softmax\.$\|^$\|originates\|rope_inv_freq\|^ *\^*$\|File \"/work\|^E1201"; }
 { nvidia-smi -L; git log -1 --oneline; git status --short | head; } > $O/log.txt

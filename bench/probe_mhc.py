@@ -9,9 +9,11 @@ profiler), and its time per call replayed as one CUDA graph (as in `--compile=gr
     mixes as an fp32 GEMM (the reference) or on bf16 tensor cores (kernels.hc_mixes_bf16), with the batched or the
     masked Sinkhorn, each checked against the first.
 python bench/probe_mhc.py   (PROBE_BACKEND=aot_eager and a few tokens: the CPU smoke test)
-Session 13 (2026-12-02, H200, torch 2.11.0+cu130, bench/gpu_session13.sh) kept the bf16 mixes and found the row
-form (one [..., n] tensor per row) slower than the batched loop: 177 kernels against 158 forward+backward, inductor
-writing out every step."""
+Session 13 (2026-12-02, H200, torch 2.11.0+cu130, bench/gpu_session13.sh and 13b.sh; bench/RESULTS.md) kept the
+bf16 mixes (a sublayer 787 -> 699 us replayed). It left the Sinkhorn loop batched: one tensor per row ran 177
+kernels against the loop's 158 (inductor writes out every step), and the masked form below ran 19 kernels in 75 us
+against 158 in 169 us but took 148 s to compile against 14 s, a cost each of a model's compiled layer kinds would pay
+twice."""
 import os
 import sys
 import time
@@ -101,8 +103,8 @@ def sinkhorns():
         if want is None:
             want = (out["y"].clone(), out["g"].clone())
         else:
-            print(f"    against batched: out {(out['y'] - want[0]).abs().max():.1e}, grad {(out['g'] - want[1]).abs().max():.1e}"
-                  f" (largest {want[1].abs().max():.1e})")
+            dy_, dg = ((out[k] - w).abs().max() for k, w in zip("yg", want))
+            print(f"    against batched: out {dy_:.1e}, grad {dg:.1e} (largest {want[1].abs().max():.1e})")
     with torch.no_grad():
         for name, form in (("entries", m.sinkhorn_entries), ("masked", masked)):
             torch._dynamo.reset()
