@@ -1,14 +1,14 @@
 """mHC under inductor on a GPU, bench_2b's sizes (4096 tokens, n = 4 streams of 1536, bf16): forms of its pieces,
 each compiled alone, with its first call (a cold cache compiles), its kernels per call and their time (from the
 profiler), and its time per call replayed as one CUDA graph (as in `--compile=graphs`, without launch costs):
-  - Sinkhorn with autograd (the training step): the batched loop (model_dsv4.sinkhorn) against each token's n x n
-    entries as one row of n * n, summed under masks (below);
+  - Sinkhorn with autograd (the training step): the batched loop (model_dsv4.sinkhorn) against the same loop with
+    its backward written out and against each token's n x n entries as one row of n * n, summed under masks (below);
   - Sinkhorn without autograd (the engine's decode): one tensor per entry (model_dsv4.sinkhorn_entries) against the
     masked form;
   - a whole sublayer, forward+backward (Block.hc_pre, then Block.hc_post with the identity as the sublayer): the
-    mixes as an fp32 GEMM (the reference) or on bf16 tensor cores (kernels.hc_mixes_bf16), with the batched or the
-    masked Sinkhorn, each checked against the first.
-python bench/probe_mhc.py   (PROBE_BACKEND=aot_eager and a few tokens: the CPU smoke test)
+    mixes as an fp32 GEMM (the reference) or on bf16 tensor cores (kernels.hc_mixes_bf16), with the batched loop or
+    the loop with its backward written out, each checked against the first.
+python bench/probe_mhc.py   (PROBE_MASKED=1: the masked form too; PROBE_BACKEND=aot_eager: the CPU smoke test)
 Session 13 (2026-12-02, H200, torch 2.11.0+cu130, bench/gpu_session13.sh and 13b.sh; bench/RESULTS.md) kept the
 bf16 mixes (a sublayer 787 -> 699 us replayed). It left the Sinkhorn loop batched: one tensor per row ran 177
 kernels against the loop's 158 (inductor writes out every step), and the masked form below ran 19 kernels in 75 us
@@ -30,6 +30,35 @@ T = int(os.environ.get("PROBE_TOKENS", 4096 if CUDA else 64))
 sync = torch.cuda.synchronize if CUDA else (lambda: None)
 
 
+class _SinkhornBackward(torch.autograd.Function):
+    """The batched loop with its backward written out. A step y = c / d, d = c summed over rows (or columns) + eps,
+    has dc = (dy - (dy * y) summed the same way) / d: sums of four and a division, the shape of the forward step,
+    which inductor compiles into one kernel a step (the sums inlined). Autograd's own backward of the step (dy / d,
+    then the sum of -dy * c / d^2 broadcast back) took two kernels a step (session 12's trace). Saved: each step's
+    input (the loop writes them anyway); d is summed again from it."""
+    @staticmethod
+    def forward(ctx, comb, iters, eps):
+        xs = [comb]
+        for k in range(2 * iters - 1):
+            c = xs[-1]
+            xs.append(c / (c.sum(dim=-2 if k % 2 == 0 else -1, keepdim=True) + eps))
+        ctx.eps = eps
+        ctx.save_for_backward(*xs)
+        return xs[-1]
+
+    @staticmethod
+    def backward(ctx, dy):
+        xs = ctx.saved_tensors
+        for k in reversed(range(len(xs) - 1)):
+            dim = -2 if k % 2 == 0 else -1
+            dy = (dy - (dy * xs[k + 1]).sum(dim, keepdim=True)) / (xs[k].sum(dim, keepdim=True) + ctx.eps)
+        return dy, None, None
+
+
+def written_backward(comb, iters, eps):
+    return _SinkhornBackward.apply(comb, iters, eps)
+
+
 def masked(comb, iters, eps):
     """Each token's n x n entries as one row of n * n; row i's sum (or column j's) is the row's sum under the mask of
     its entries, and each entry is divided by the sum of its own row (column). Every step reduces and divides over
@@ -45,6 +74,9 @@ def masked(comb, iters, eps):
     for _ in range(iters - 1):
         c = norm(norm(c, rows), cols)
     return c.unflatten(-1, (n, n))
+
+
+AGAIN = (("masked", masked),) if os.environ.get("PROBE_MASKED") else ()  # session 13 measured it: 148 s to compile
 
 
 def measure(name, fn):
@@ -91,7 +123,7 @@ def sinkhorns():
     logits = torch.randn(T, 4, 4, device=DEV, generator=g, requires_grad=True)
     dy = torch.randn(T, 4, 4, device=DEV, generator=g)
     want = None
-    for name, form in (("batched", m.sinkhorn), ("masked", masked)):
+    for name, form in (("batched", m.sinkhorn), ("written backward", written_backward)) + AGAIN:
         torch._dynamo.reset()
         f = torch.compile(lambda t, form=form: form(t.softmax(-1) + 1e-6, 20, 1e-6), backend=BACKEND)
         out = {}
@@ -106,7 +138,7 @@ def sinkhorns():
             dy_, dg = ((out[k] - w).abs().max() for k, w in zip("yg", want))
             print(f"    against batched: out {dy_:.1e}, grad {dg:.1e} (largest {want[1].abs().max():.1e})")
     with torch.no_grad():
-        for name, form in (("entries", m.sinkhorn_entries), ("masked", masked)):
+        for name, form in (("entries", m.sinkhorn_entries),) + AGAIN:
             torch._dynamo.reset()
             f = torch.compile(lambda t, form=form: form(t.softmax(-1) + 1e-6, 20, 1e-6), backend=BACKEND)
             measure(f"Sinkhorn forward, no grad, {name}", lambda: f(logits))
@@ -129,7 +161,7 @@ def sublayers():
         return block.hc_post(h, x, post, comb)
 
     want, batched = None, m.sinkhorn
-    for fast, form in ((False, batched), (True, batched), (True, masked)):
+    for fast, form in ((False, batched), (True, batched), (True, written_backward)):
         torch._dynamo.reset()
         block.fast, m.sinkhorn = fast, form  # hc_split_sinkhorn calls model_dsv4.sinkhorn
         f = torch.compile(sublayer, backend=BACKEND)
