@@ -7,7 +7,7 @@ profiler), and its time per call replayed as one CUDA graph (as in `--compile=gr
     masked form;
   - a whole sublayer, forward+backward (Block.hc_pre, then Block.hc_post with the identity as the sublayer): the
     mixes as an fp32 GEMM (the reference) or on bf16 tensor cores (kernels.hc_mixes_bf16), with the batched loop or
-    the loop with its backward written out, each checked against the first.
+    the loop with its backward written out, each checked against the first, with its 8 costliest kernels.
 python bench/probe_mhc.py   (PROBE_MASKED=1: the masked form too; PROBE_BACKEND=aot_eager: the CPU smoke test)
 Session 13 (2026-12-02, H200, torch 2.11.0+cu130, bench/gpu_session13.sh and 13b.sh; bench/RESULTS.md) kept the
 bf16 mixes (a sublayer 787 -> 699 us replayed). It left the Sinkhorn loop batched: one tensor per row ran 177
@@ -79,8 +79,9 @@ def masked(comb, iters, eps):
 AGAIN = (("masked", masked),) if os.environ.get("PROBE_MASKED") else ()  # session 13 measured it: 148 s to compile
 
 
-def measure(name, fn):
-    """fn() runs one call. Prints its first call, kernels per call, kernel time and CUDA-graph replay time."""
+def measure(name, fn, top=0):
+    """fn() runs one call. Prints its first call, kernels per call, kernel time and CUDA-graph replay time, and the
+    `top` kernels by time (per call, with their count)."""
     t0 = time.perf_counter()
     fn()
     sync()
@@ -96,6 +97,11 @@ def measure(name, fn):
             sync()
         ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         line += f"  {len(ks) / 5:6.0f} kernels, {sum(e.device_time for e in ks) / 5:7.1f} us kernel time"
+        by_name = {}
+        for e in ks:
+            count, us = by_name.get(e.name, (0, 0.0))
+            by_name[e.name] = (count + 1, us + e.device_time)
+        tops = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
         try:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -115,6 +121,7 @@ def measure(name, fn):
             line += f", {(time.perf_counter() - t0) / 20 * 1e6:7.1f} us a CUDA-graph replay"
         except Exception as e:  # noqa: BLE001
             line += f", no graph ({type(e).__name__}: {str(e)[:80]})"
+        line += "".join(f"\n      {us / 5:7.1f} us {count / 5:4.0f}x {k[:110]}" for k, (count, us) in tops)
     print(line, flush=True)
 
 
@@ -171,7 +178,7 @@ def sublayers():
             out["y"] = f(x, fn, scale, base)
             out["g"] = torch.autograd.grad(out["y"], [x, fn, base], dy)
         name = f"sublayer, {'bf16' if fast else 'fp32'} mixes, {'batched' if form is batched else form.__name__}"
-        measure(name, once)
+        measure(name, once, top=8)
         got = (out["y"].float(), *(t.float() for t in out["g"]))
         if want is None:
             want = [t.clone() for t in got]
