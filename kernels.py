@@ -26,6 +26,14 @@ import torch.nn.functional as F
 # T tokens, H heads, d head dim, w window (= block of queries), nb blocks, S compressed entries, e local experts
 
 
+def mm_f32(a, b):
+    """a @ b with an fp32 result, for a [M, K] or [B, M, K] and b [K, N] or [B, K, N], no autograd of its own: one
+    bf16 GEMM with an fp32 output for CUDA bf16 operands, an fp32 GEMM otherwise."""
+    if a.is_cuda and a.dtype == b.dtype == torch.bfloat16:
+        return (torch.mm if a.dim() == 2 else torch.bmm)(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
 class _MatmulF32(torch.autograd.Function):
     """y = a @ b (a [..., M, K], b [..., K, N], both bf16) as fp32. Backward: the fp32 gradient is rounded to bf16
     once, then two more GEMMs with fp32 results, rounded to the operands' dtype (what a bf16 trainer stores).
@@ -35,7 +43,7 @@ class _MatmulF32(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
         ctx.save_for_backward(a, b)
-        return (torch.mm if a.dim() == 2 else torch.bmm)(a, b, out_dtype=torch.float32)
+        return mm_f32(a, b)
 
     @staticmethod
     def backward(ctx, g):
@@ -50,7 +58,7 @@ def matmul_f32(a, b):
     """fp32 a @ b for a [M, K] or [B, M, K] and b [K, N] or [B, K, N]."""
     if a.is_cuda and a.dtype == b.dtype == torch.bfloat16:
         return _MatmulF32.apply(a, b)
-    return a.float() @ b.float()
+    return mm_f32(a, b)
 
 
 def linear_f32(x, w):
@@ -79,35 +87,31 @@ def split_bf16(t, parts=3):
     return out
 
 
-def mm_f32(a, b):
-    """a @ b with an fp32 result, a and b 2-D: one bf16 GEMM with fp32 output on a GPU, fp32 GEMM elsewhere."""
-    return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda and a.dtype == b.dtype == torch.bfloat16 else \
-        a.float() @ b.float()
-
-
 class _HcMixes(torch.autograd.Function):
     """model_dsv4.hc_mixes for bf16 streams: (x @ fn.T) * rsqrt(mean(x^2) + eps), x bf16 [M, K], fn fp32 [R, K].
     The reference converts x to fp32 and runs an fp32 GEMM, which takes no tensor cores (FFMA kernels). Here x is
     used as it is (exact in bf16) and fn is split exactly into three bf16 parts (split_bf16): one GEMM with an fp32
     result over [f0; f1; f2] gives the three products, summed after. The GEMM is narrow (R = 24 outputs) and bound
     by reading x, so the extra rows cost little. Backward likewise, with the fp32 gradient dz = dy r split too and
-    all nine products of parts in one GEMM: dx = dz @ fn - (sum(dy * z) r^3 / K) x, dfn = dz.T @ x. R is padded to
+    all nine products of parts in one GEMM (fn's parts saved from the forward): dx = dz @ fn - (sum(dy * z) r^3 / K) x,
+    dfn = dz.T @ x. R is padded to
     a multiple of 8 (GEMM alignment)."""
     @staticmethod
     def forward(ctx, x, fn, eps):
         R, Rp = fn.shape[0], fn.shape[0] + -fn.shape[0] % 8
-        z = mm_f32(x, torch.cat(split_bf16(F.pad(fn, (0, 0, 0, Rp - R)))).t())  # [M, 3 Rp]
+        f = torch.cat(split_bf16(F.pad(fn, (0, 0, 0, Rp - R))))  # [3 Rp, K]
+        z = mm_f32(x, f.t())  # [M, 3 Rp]
         z = z[:, :R] + z[:, Rp:Rp + R] + z[:, 2 * Rp:2 * Rp + R]
         r = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, fn, z, r)
+        ctx.save_for_backward(x, f, z, r)
         return z * r
 
     @staticmethod
     def backward(ctx, dy):
-        x, fn, z, r = ctx.saved_tensors
-        R, Rp = fn.shape[0], fn.shape[0] + -fn.shape[0] % 8
-        g, f = split_bf16(F.pad(dy * r, (0, Rp - R))), split_bf16(F.pad(fn, (0, 0, 0, Rp - R)))
-        dzw = mm_f32(torch.cat([gi for gi in g for _ in f], 1), torch.cat(f * len(g)))  # [M, K]: sum of g_i f_j
+        x, f, z, r = ctx.saved_tensors
+        R, Rp = z.shape[1], f.shape[0] // 3
+        g = split_bf16(F.pad(dy * r, (0, Rp - R)))
+        dzw = mm_f32(torch.cat([gi for gi in g for _ in range(3)], 1), torch.cat([f] * 3))  # [M, K]: sum of g_i f_j
         dx = dzw - ((dy * z).sum(-1, keepdim=True) * r.pow(3) / x.shape[-1]) * x.float()
         dfn = mm_f32(torch.cat(g, 1).t(), x)  # [3 Rp, K]
         return dx.to(x.dtype), dfn[:R] + dfn[Rp:Rp + R] + dfn[2 * Rp:2 * Rp + R], None
