@@ -93,9 +93,8 @@ class _HcMixes(torch.autograd.Function):
     used as it is (exact in bf16) and fn is split exactly into three bf16 parts (split_bf16): one GEMM with an fp32
     result over [f0; f1; f2] gives the three products, summed after. The GEMM is narrow (R = 24 outputs) and bound
     by reading x, so the extra rows cost little. Backward likewise, with the fp32 gradient dz = dy r split too and
-    all nine products of parts in one GEMM (fn's parts saved from the forward): dx = dz @ fn - (sum(dy * z) r^3 / K) x,
-    dfn = dz.T @ x. R is padded to
-    a multiple of 8 (GEMM alignment)."""
+    all nine products of parts in one GEMM (fn's parts saved from the forward): dx = dz @ fn - (sum(dy * z) r^3 / K)
+    x, dfn = dz.T @ x. R is padded to a multiple of 8 (GEMM alignment)."""
     @staticmethod
     def forward(ctx, x, fn, eps):
         R, Rp = fn.shape[0], fn.shape[0] + -fn.shape[0] % 8
