@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 import torch.nn.functional as F
-from kernels import (PathInvariant, grouped_experts, hc_mixes_bf16, is_stacked, linear_f32, matmul_f32, stack_experts_,
-                     window_attention)
+from kernels import (PathInvariant, grouped_experts, has_triton, hc_mixes_bf16, is_stacked, linear_f32, matmul_f32,
+                     sinkhorn_triton, stack_experts_, window_attention)
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
 # -----------------------------------------------------------------------------
@@ -564,19 +564,21 @@ class MoE(nn.Module):
 # -----------------------------------------------------------------------------
 # mHC: n residual streams, mixed by a doubly-stochastic matrix
 
-def hc_split_sinkhorn(mixes, scale, base, n, iters, eps):
+def hc_split_sinkhorn(mixes, scale, base, n, iters, eps, fast=False):
     """mixes: [..., (2+n)*n] fp32 -> pre [..., n], post [..., n], comb [..., n, n] (doubly stochastic).
     Order pre | post | comb; column-first Sinkhorn, as the reference kernel."""
     pre, post, comb = mixes.split([n, n, n * n], dim=-1)
     pre = torch.sigmoid(pre * scale[0] + base[:n]) + eps
     post = 2 * torch.sigmoid(post * scale[1] + base[n:2 * n])
     comb = comb.unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n)
-    return pre, post, sinkhorn(comb.softmax(dim=-1) + eps, iters, eps)
+    return pre, post, sinkhorn(comb.softmax(dim=-1) + eps, iters, eps, fast)
 
 
-def sinkhorn(comb, iters, eps):
+def sinkhorn(comb, iters, eps, fast=False):
     """comb [..., n, n] > 0 -> doubly stochastic: columns, then rows and columns iters - 1 times, each divided by
     its sum + eps."""
+    if fast and has_triton(comb):  # kernels.py: the whole loop in one Triton kernel (and one for the backward)
+        return sinkhorn_triton(comb, iters, eps)
     if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # decode: one tensor per entry (below)
         return sinkhorn_entries(comb, iters, eps)
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
@@ -626,7 +628,7 @@ def hc_head(x, fn, scale, base, args):
 
 class Block(nn.Module):
     """One layer: attention and MoE sublayers, each wrapped by hc_pre (n streams -> 1) and hc_post (1 -> n)."""
-    fast = False  # set by Transformer.set_kernels: hc_pre's mixes on tensor cores (kernels.hc_mixes_bf16)
+    fast = False  # set by Transformer.set_kernels: hc_pre's mixes on tensor cores, its Sinkhorn in Triton (kernels.py)
     def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
         self.args, self.layer_id = args, layer_id
@@ -644,7 +646,7 @@ class Block(nn.Module):
         # x: [B, T, n, D] -> input [B, T, D], post [B, T, n], comb [B, T, n, n]
         a = self.args
         pre, post, comb = hc_split_sinkhorn(hc_mixes(x, fn, a.rms_norm_eps, self.fast), scale, base, a.hc_mult,
-                                            a.hc_sinkhorn_iters, a.hc_eps)
+                                            a.hc_sinkhorn_iters, a.hc_eps, self.fast)
         return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype), post, comb
 
     def hc_post(self, f, x, post, comb):
@@ -745,8 +747,8 @@ class Transformer(nn.Module):
         return self
 
     def set_kernels(self, fast=True):
-        """kernels.py's block-wise window attention, grouped GEMM experts and bf16 mHC mixes (on) or the plain
-        reference (off)."""
+        """kernels.py's block-wise window attention, grouped GEMM experts, bf16 mHC mixes and Triton Sinkhorn (on) or
+        the plain reference (off)."""
         for m in (m for m in self.modules() if isinstance(m, (Attention, MoE, Block))):
             m.fast = fast
         return self

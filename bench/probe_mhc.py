@@ -2,18 +2,22 @@
 each compiled alone, with its first call (a cold cache compiles), its kernels per call and their time (from the
 profiler), and its time per call replayed as one CUDA graph (as in `--compile=graphs`, without launch costs):
   - Sinkhorn with autograd (the training step): the batched loop (model_dsv4.sinkhorn) against the same loop with
-    its backward written out and against each token's n x n entries as one row of n * n, summed under masks (below);
+    its backward written out, the Triton kernels (kernels.sinkhorn_triton) and each token's n x n entries as one
+    row of n * n, summed under masks (below);
   - Sinkhorn without autograd (the engine's decode): one tensor per entry (model_dsv4.sinkhorn_entries) against the
-    masked form;
+    Triton kernel and the masked form;
   - a whole sublayer, forward+backward (Block.hc_pre, then Block.hc_post with the identity as the sublayer): the
     mixes as an fp32 GEMM (the reference) or on bf16 tensor cores (kernels.hc_mixes_bf16), with the batched loop or
-    the loop with its backward written out, each checked against the first, with its 8 costliest kernels.
+    the Triton kernels, each checked against the first, with its 8 costliest kernels.
 python bench/probe_mhc.py   (PROBE_MASKED=1: the masked form too; PROBE_BACKEND=aot_eager: the CPU smoke test)
 Session 13 (2026-12-02, H200, torch 2.11.0+cu130, bench/gpu_session13.sh and 13b.sh; bench/RESULTS.md) kept the
 bf16 mixes (a sublayer 787 -> 699 us replayed). It left the Sinkhorn loop batched: one tensor per row ran 177
 kernels against the loop's 158 (inductor writes out every step), and the masked form below ran 19 kernels in 75 us
 against 158 in 169 us but took 148 s to compile against 14 s, a cost each of a model's compiled layer kinds would pay
-twice."""
+twice. Session 14 (bench/gpu_session14b.sh) took the Triton kernels: 6 kernels in 20 us against the loop's 158 in
+170 us, a sublayer 706 -> 485 us replayed. Its written-out backward (157 kernels, 169 us) gained nothing: inductor
+still writes every step out. (The captures of the Sinkhorn alone with autograd fail, for every form; not looked into.)
+Each form's top kernels show their time in the profiled eager calls and in the replays."""
 import os
 import sys
 import time
@@ -22,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model_dsv4 as m  # noqa: E402
+from kernels import sinkhorn_triton  # noqa: E402
 
 BACKEND = os.environ.get("PROBE_BACKEND", "inductor")
 CUDA = torch.cuda.is_available()
@@ -79,6 +84,22 @@ def masked(comb, iters, eps):
 AGAIN = (("masked", masked),) if os.environ.get("PROBE_MASKED") else ()  # session 13 measured it: 148 s to compile
 
 
+def profile(fn, top, calls=5):
+    """Kernels of one call of fn, from the profiler: (count, their time in us, the `top` by time as (name, count,
+    us))."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name = {}
+    for e in ks:
+        count, us = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (count + 1, us + e.device_time)
+    tops = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return len(ks) / calls, sum(e.device_time for e in ks) / calls, [(k, c / calls, t / calls) for k, (c, t) in tops]
+
+
 def measure(name, fn, top=0):
     """fn() runs one call. Prints its first call, kernels per call, kernel time and CUDA-graph replay time, and the
     `top` kernels by time (per call, with their count)."""
@@ -91,17 +112,8 @@ def measure(name, fn, top=0):
     sync()
     line = f"{name:44s} first call {first:6.1f} s"
     if CUDA:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                fn()
-            sync()
-        ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        line += f"  {len(ks) / 5:6.0f} kernels, {sum(e.device_time for e in ks) / 5:7.1f} us kernel time"
-        by_name = {}
-        for e in ks:
-            count, us = by_name.get(e.name, (0, 0.0))
-            by_name[e.name] = (count + 1, us + e.device_time)
-        tops = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+        n_kernels, us, tops = profile(fn, top)
+        line += f"  {n_kernels:6.0f} kernels, {us:7.1f} us kernel time"
         try:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -119,9 +131,14 @@ def measure(name, fn, top=0):
                 graph.replay()
             sync()
             line += f", {(time.perf_counter() - t0) / 20 * 1e6:7.1f} us a CUDA-graph replay"
+            n_kernels, us, replay_tops = profile(graph.replay, top)
+            line += f" ({n_kernels:.0f} kernels, {us:.1f} us kernel time, replayed)"
+            tops = [(k, c, t, dict((k2, t2) for k2, c2, t2 in replay_tops).get(k)) for k, c, t in tops]
         except Exception as e:  # noqa: BLE001
             line += f", no graph ({type(e).__name__}: {str(e)[:80]})"
-        line += "".join(f"\n      {us / 5:7.1f} us {count / 5:4.0f}x {k[:110]}" for k, (count, us) in tops)
+            tops = [(k, c, t, None) for k, c, t in tops]
+        line += "".join(f"\n      {t:7.1f} us {c:4.0f}x{'' if r is None else f' (replayed {r:7.1f} us)'} {k[:100]}"
+                        for k, c, t, r in tops)
     print(line, flush=True)
 
 
@@ -130,7 +147,8 @@ def sinkhorns():
     logits = torch.randn(T, 4, 4, device=DEV, generator=g, requires_grad=True)
     dy = torch.randn(T, 4, 4, device=DEV, generator=g)
     want = None
-    for name, form in (("batched", m.sinkhorn), ("written backward", written_backward)) + AGAIN:
+    forms = (("batched", m.sinkhorn), ("written backward", written_backward), ("triton", sinkhorn_triton))
+    for name, form in forms + AGAIN:
         torch._dynamo.reset()
         f = torch.compile(lambda t, form=form: form(t.softmax(-1) + 1e-6, 20, 1e-6), backend=BACKEND)
         out = {}
@@ -145,7 +163,7 @@ def sinkhorns():
             dy_, dg = ((out[k] - w).abs().max() for k, w in zip("yg", want))
             print(f"    against batched: out {dy_:.1e}, grad {dg:.1e} (largest {want[1].abs().max():.1e})")
     with torch.no_grad():
-        for name, form in (("entries", m.sinkhorn_entries),) + AGAIN:
+        for name, form in (("entries", m.sinkhorn_entries), ("triton", sinkhorn_triton)) + AGAIN:
             torch._dynamo.reset()
             f = torch.compile(lambda t, form=form: form(t.softmax(-1) + 1e-6, 20, 1e-6), backend=BACKEND)
             measure(f"Sinkhorn forward, no grad, {name}", lambda: f(logits))
@@ -167,17 +185,19 @@ def sublayers():
         h, post, comb = block.hc_pre(x, fn, scale, base)
         return block.hc_post(h, x, post, comb)
 
-    want, batched = None, m.sinkhorn
-    for fast, form in ((False, batched), (True, batched), (True, written_backward)):
+    want, model_sinkhorn = None, m.sinkhorn
+    batched = lambda comb, iters, eps, fast: model_sinkhorn(comb, iters, eps)  # the loop, whatever `fast` says
+    forms = {"batched": batched, "triton": model_sinkhorn}  # model_dsv4.sinkhorn takes the Triton kernel when fast
+    for fast, form in ((False, "batched"), (True, "batched"), (True, "triton")):
         torch._dynamo.reset()
-        block.fast, m.sinkhorn = fast, form  # hc_split_sinkhorn calls model_dsv4.sinkhorn
+        block.fast, m.sinkhorn = fast, forms[form]  # hc_split_sinkhorn calls model_dsv4.sinkhorn
         f = torch.compile(sublayer, backend=BACKEND)
         out = {}
 
         def once():
             out["y"] = f(x, fn, scale, base)
             out["g"] = torch.autograd.grad(out["y"], [x, fn, base], dy)
-        name = f"sublayer, {'bf16' if fast else 'fp32'} mixes, {'batched' if form is batched else form.__name__}"
+        name = f"sublayer, {'bf16' if fast else 'fp32'} mixes, {form}"
         measure(name, once, top=8)
         got = (out["y"].float(), *(t.float() for t in out["g"]))
         if want is None:
@@ -186,7 +206,7 @@ def sublayers():
             rel = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want)]
             print("    against the first, largest difference over largest value: out, dx, dfn, dbase "
                   + " ".join(f"{r:.1e}" for r in rel))
-    m.sinkhorn = batched
+    m.sinkhorn = model_sinkhorn
 
 
 if __name__ == "__main__":
