@@ -17,7 +17,8 @@ against 158 in 169 us but took 148 s to compile against 14 s, a cost each of a m
 twice. Session 14 (bench/gpu_session14b.sh) took the Triton kernels: 6 kernels in 20 us against the loop's 158 in
 170 us, a sublayer 706 -> 485 us replayed. Its written-out backward (157 kernels, 169 us) gained nothing: inductor
 still writes every step out. (The captures of the Sinkhorn alone with autograd fail, for every form; not looked into.)
-Each form's top kernels show their time in the profiled eager calls and in the replays."""
+Each form's top kernels show their time in the profiled eager calls and in the replays; the last form's kernels are
+then listed one by one, forward and backward apart."""
 import os
 import sys
 import time
@@ -206,6 +207,17 @@ def sublayers():
             rel = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want)]
             print("    against the first, largest difference over largest value: out, dx, dfn, dbase "
                   + " ".join(f"{r:.1e}" for r in rel))
+    if CUDA:  # the last (kept) form's kernels one by one, in the order they run: its forward, then its backward
+        y = f(x, fn, scale, base)  # the graph that the backward below runs through
+        for part, run in (("forward", lambda: f(x, fn, scale, base)),
+                          ("backward", lambda: torch.autograd.grad(y, [x, fn, base], dy))):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                run()
+                sync()
+            ks = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                        key=lambda e: e.time_range.start)
+            print(f"  {name}, {part}: {len(ks)} kernels, {sum(e.device_time for e in ks):.1f} us"
+                  + "".join(f"\n    {e.device_time:7.1f} us {e.name[:110]}" for e in ks))
     m.sinkhorn = model_sinkhorn
 
 

@@ -1,0 +1,126 @@
+"""hc_pre's forward (model_dsv4.Block.hc_pre) as one Triton kernel, against the compiled model code it would replace,
+at bench_2b's sizes (4096 tokens, n = 4 streams of 1536, bf16): a candidate for the next step of the speed issue,
+measured before any of it goes into the model. What the compiled code runs for a sublayer's hc_pre: the mixes' GEMM
+(bf16 tensor cores, fn in three exact bf16 parts), a separate reduction over each token's n * D values for the
+norm, the pre / post / comb activations, the Triton Sinkhorn, and the weighted sum of the streams: the streams are
+read three times. Here one program takes BT tokens: a loop over their n * D values feeds the nine small dots (three
+parts of fn x three groups of rows: pre, post, comb, each padded to 16 rows) and the sum of squares at once; the
+activations and Sinkhorn run in registers; a second loop over D forms the weighted sum (the same rows again, from
+L2 when they fit). Forward only: a backward would come after, if this pays.
+python bench/probe_hc_fused.py   (on a CPU: Triton's interpreter, PROBE_TOKENS=32, a check of the values only)
+Written in session 14 without a GPU; not yet run on one. On the dev CPU (Triton 3.9.0's interpreter) post and comb
+match Block.hc_pre to 2.6e-7 and 4.8e-7 of their largest values; h is within 7.6e-3 of the fp32 sum's scale where
+the model's h is within 3.9e-3 (one bf16 rounding), because the interpreter cuts fp32 to bf16 instead of rounding
+(a kernel that only converts shows 7.5e-3). The interpreter also gets dots of bf16 operands wrong, so the dots take
+fp32 ones. The kernel compiles for sm_90 and gfx950 (checked the way tests/test_triton.py does)."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model_dsv4 as m  # noqa: E402  (before triton: with no GPU, kernels.py switches Triton to its interpreter)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from kernels import _sums, split_bf16  # noqa: E402
+from probe_mhc import measure  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+T = int(os.environ.get("PROBE_TOKENS", 4096 if CUDA else 32))
+
+
+@triton.jit
+def _hc_pre_fwd(x_ptr, f_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_ptr, n_tok, eps_norm, eps_hc,
+                D: tl.constexpr, N: tl.constexpr, STEPS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                BD: tl.constexpr):
+    """x [T, N * D] bf16; f [3 parts, 3 groups, 16, N * D] bf16 (group 0: fn's pre rows, 1: post, 2: comb, each
+    padded with zero rows to 16); writes h [T, D] bf16, post [T, N] and comb [T, N, N] fp32. N = 4."""
+    K: tl.constexpr = N * D
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tm = t < n_tok
+    k, r16 = tl.arange(0, BK), tl.arange(0, 16)
+    a_pre = tl.zeros((BT, 16), tl.float32)
+    a_post = tl.zeros((BT, 16), tl.float32)
+    a_comb = tl.zeros((BT, 16), tl.float32)
+    ss = tl.zeros((BT,), tl.float32)
+    for k0 in range(0, K, BK):
+        xf = tl.load(x_ptr + t[:, None] * K + k0 + k[None, :], mask=tm[:, None], other=0.0).to(tl.float32)  # [BT, BK]
+        ss += tl.sum(xf * xf, 1)
+        for part in tl.static_range(3):  # fn's rows, transposed: [BK, 16] of each group. The dots take fp32
+            rows = f_ptr + part * 3 * 16 * K + r16[None, :] * K + k0 + k[:, None]  # operands (TF32 on a GPU, exact
+            a_pre = tl.dot(xf, tl.load(rows).to(tl.float32), a_pre)  # for bf16 values): Triton's interpreter gets
+            a_post = tl.dot(xf, tl.load(rows + 16 * K).to(tl.float32), a_post)  # bf16 dots wrong (3.9.0)
+            a_comb = tl.dot(xf, tl.load(rows + 2 * 16 * K).to(tl.float32), a_comb)
+    r = tl.rsqrt(ss / K + eps_norm)[:, None]
+    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    b_pre = tl.load(base_ptr + r16, mask=r16 < N, other=0.0)
+    b_post = tl.load(base_ptr + N + r16, mask=r16 < N, other=0.0)
+    b_comb = tl.load(base_ptr + 2 * N + r16)
+    pre = tl.sigmoid(a_pre * r * s0 + b_pre[None, :]) + eps_hc  # [BT, 16], columns < N
+    post = 2 * tl.sigmoid(a_post * r * s1 + b_post[None, :])
+    tl.store(post_ptr + t[:, None] * N + r16[None, :], post, mask=tm[:, None] & (r16[None, :] < N))
+    c = tl.reshape(a_comb * r * s2 + b_comb[None, :], (BT, N, N))  # softmax over each row, + eps, then Sinkhorn
+    c = tl.exp(c - tl.max(c, 2)[:, :, None])
+    c = c / tl.sum(c, 2)[:, :, None] + eps_hc
+    for s in tl.static_range(STEPS):
+        c = c / (_sums(c, s) + eps_hc)
+    i = tl.arange(0, N)
+    tl.store(comb_ptr + t[:, None, None] * N * N + i[None, :, None] * N + i[None, None, :], c, mask=tm[:, None, None])
+    pre = tl.sum(tl.where(i[None, :, None] == 0, tl.reshape(pre, (BT, N, N)), 0.0), 1)  # [BT, N]: columns 0..N-1
+    dd = tl.arange(0, BD)
+    for d0 in range(0, D, BD):  # h = sum_i pre_i x_i
+        x3 = tl.load(x_ptr + t[:, None, None] * K + i[None, :, None] * D + d0 + dd[None, None, :],
+                     mask=tm[:, None, None], other=0.0)
+        h = tl.sum(pre[:, :, None] * x3.to(tl.float32), 1)
+        tl.store(h_ptr + t[:, None] * D + d0 + dd[None, :], h.to(tl.bfloat16), mask=tm[:, None])
+
+
+def fn_groups(fn, n):
+    """fn fp32 [(2 + n) * n, n * D] -> [3 parts, 3 groups, 16, n * D] bf16, as _hc_pre_fwd reads it."""
+    K = fn.shape[1]
+    out = torch.zeros(3, 3, 16, K, dtype=torch.bfloat16, device=fn.device)
+    for p, part in enumerate(split_bf16(fn)):
+        out[p, 0, :n], out[p, 1, :n], out[p, 2, :n * n] = part[:n], part[n:2 * n], part[2 * n:]
+    return out
+
+
+def hc_pre_fused(x, f, scale, base, args, BT=16, BK=64, BD=128):
+    """x [B, T, n, D] bf16 -> (h [B, T, D] bf16, post [B, T, n], comb [B, T, n, n]), as Block.hc_pre."""
+    B, T, n, D = x.shape
+    h = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
+    post = torch.empty(B, T, n, device=x.device)
+    comb = torch.empty(B, T, n, n, device=x.device)
+    _hc_pre_fwd[(triton.cdiv(B * T, BT),)](x, f, scale, base, h, post, comb, B * T, args.rms_norm_eps, args.hc_eps,
+                                           D=D, N=n, STEPS=2 * args.hc_sinkhorn_iters - 1, BT=BT, BK=BK, BD=BD)
+    return h, post, comb
+
+
+if __name__ == "__main__":
+    args = m.ModelArgs(hidden_size=1536, hc_mult=4)
+    block = m.Block.__new__(m.Block)  # only the mHC parameters and methods are used
+    torch.nn.Module.__init__(block)
+    block.args, block.fast, n, D = args, True, args.hc_mult, args.hidden_size
+    g = torch.Generator(device=DEV).manual_seed(1)
+    fn = torch.randn((2 + n) * n, n * D, device=DEV, generator=g) * 0.02
+    scale = torch.tensor([0.5, 0.5, 1.0], device=DEV)
+    base = torch.randn((2 + n) * n, device=DEV, generator=g) * 0.1
+    x = torch.randn(1, T, n, D, device=DEV, generator=g).bfloat16()
+    f = fn_groups(fn, n)
+    print(f"{torch.cuda.get_device_name() if CUDA else 'cpu'}, torch {torch.__version__}, triton {triton.__version__},"
+          f" {T} tokens")
+    with torch.no_grad():
+        ref = block.hc_pre(x, fn, scale, base)  # eager, the fast kernels on (on a CPU: fp32 mixes, the loop)
+        got = hc_pre_fused(x, f, scale, base, args)
+        for name, a, b in zip(("h", "post", "comb"), got, ref):
+            err = (a.float() - b.float()).abs().max() / b.float().abs().max()
+            print(f"  fused against Block.hc_pre: {name} {err:.1e} of its largest value")
+        pre = m.hc_split_sinkhorn(m.hc_mixes(x, fn, args.rms_norm_eps), scale, base, n, args.hc_sinkhorn_iters,
+                                  args.hc_eps)[0]
+        h32, size = ((pre.unsqueeze(-1) * t).sum(2) for t in (x.float(), x.float().abs()))  # h before its rounding
+        print("  h against the fp32 sum, largest error over the sum of its terms' sizes (one bf16 rounding: 3.9e-3 at"
+              " most): fused " + " and model ".join(f"{((a.float() - h32).abs() / size).max():.1e}" for a in (got[0], ref[0])))
+        if CUDA:
+            compiled = torch.compile(lambda x: block.hc_pre(x, fn, scale, base))
+            measure("hc_pre forward, compiled model code", lambda: compiled(x), top=8)
+            measure("hc_pre forward, one Triton kernel", lambda: hc_pre_fused(x, f, scale, base, args), top=2)
