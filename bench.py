@@ -106,6 +106,25 @@ def print_profile(prof, device, wall, per=1):
     busy = sum(getattr(e, key) for e in ev) / 1e3 / per  # µs -> ms
     print(f"  profiled step: {wall * 1e3:.1f} ms wall, {busy:.1f} ms of {key.split('_')[1]} time in ops")
     print(ev.table(sort_by=key, row_limit=60, max_name_column_width=90))
+    if device.type == "cuda":
+        print_gaps(prof)
+
+
+def print_gaps(prof, top=12):
+    """Where the device waited between kernels (the host behind, or a host sync): the idle time from the first
+    kernel to the last, and the longest waits with the kernels before and after them."""
+    ks = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    gaps, end = [], ks[0].time_range.end
+    for a, b in zip(ks, ks[1:]):
+        if b.time_range.start > end:
+            gaps.append((b.time_range.start - end, a.name, b.name))
+        end = max(end, b.time_range.end)  # kernels of two streams may overlap
+    idle = sum(g for g, _, _ in gaps)
+    print(f"  device idle between kernels: {idle / 1e3:.1f} ms of {(end - ks[0].time_range.start) / 1e3:.1f} ms, "
+          f"{sum(g > 10 for g, _, _ in gaps)} waits over 10 us; the longest:")
+    for g, a, b in sorted(gaps, reverse=True)[:top]:
+        print(f"    {g:8.1f} us after {a[:60]}, before {b[:60]}")
 
 
 def bench_decode(ours, ref, args, device, versions):
