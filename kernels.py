@@ -119,13 +119,19 @@ class _HcMixes(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, f, z, r = ctx.saved_tensors
-        R, Rp = z.shape[1], f.shape[0] // 3
-        g = split_bf16(F.pad(dy * r, (0, Rp - R)))
-        dzw = mm_f32(torch.cat([gi for gi in g for _ in range(3)], 1), torch.cat([f] * 3))  # [M, K]: sum of g_i f_j
-        dx = dzw - ((dy * z).sum(-1, keepdim=True) * r.pow(3) / x.shape[-1]) * x.float()
-        dfn = mm_f32(torch.cat(g, 1).t(), x)  # [3 Rp, K]
-        return dx.to(x.dtype), dfn[:R] + dfn[Rp:Rp + R] + dfn[2 * Rp:2 * Rp + R], None
+        dx, dfn = hc_mixes_grads(*ctx.saved_tensors, dy)
+        return dx.to(ctx.saved_tensors[0].dtype), dfn, None
+
+
+def hc_mixes_grads(x, f, z, r, dy):
+    """_HcMixes' backward: from x [M, K] bf16, fn's parts f [3 Rp, K], the unnormed products z [M, R], the norm's
+    r [M, 1] and the mixes' gradient dy [M, R] -> (dx [M, K] fp32, dfn [R, K] fp32)."""
+    R, Rp = z.shape[1], f.shape[0] // 3
+    g = split_bf16(F.pad(dy * r, (0, Rp - R)))
+    dzw = mm_f32(torch.cat([gi for gi in g for _ in range(3)], 1), torch.cat([f] * 3))  # [M, K]: sum of g_i f_j
+    dx = dzw - ((dy * z).sum(-1, keepdim=True) * r.pow(3) / x.shape[-1]) * x.float()
+    dfn = mm_f32(torch.cat(g, 1).t(), x)  # [3 Rp, K]
+    return dx, dfn[:R] + dfn[Rp:Rp + R] + dfn[2 * Rp:2 * Rp + R]
 
 
 def hc_mixes_bf16(x, fn, eps):

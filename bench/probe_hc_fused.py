@@ -6,13 +6,19 @@ norm, the pre / post / comb activations, the Triton Sinkhorn, and the weighted s
 read three times. Here one program takes BT tokens: a loop over their n * D values feeds the nine small dots (three
 parts of fn x three groups of rows: pre, post, comb, each padded to 16 rows) and the sum of squares at once; the
 activations and Sinkhorn run in registers; a second loop over D forms the weighted sum (the same rows again, from
-L2 when they fit). Forward only: a backward would come after, if this pays.
-python bench/probe_hc_fused.py   (on a CPU: Triton's interpreter, PROBE_TOKENS=32, a check of the values only)
+L2 when they fit). The backward is torch code (hc_pre_op's _backward: compiled with the rest of a compiled caller's
+backward), the same formulas autograd derives for the model's hc_pre, with kernels.hc_mixes_grads and the Triton
+Sinkhorn's backward.
+python bench/probe_hc_fused.py   prints the values and gradients against Block.hc_pre; on a GPU then the forward
+alone and a sublayer's forward+backward (hc_pre, the identity, hc_post), each compiled, model against fused.
+(On a CPU: Triton's interpreter, PROBE_TOKENS=32, the checks only.)
 Written in session 14 without a GPU; not yet run on one. On the dev CPU (Triton 3.9.0's interpreter) post and comb
 match Block.hc_pre to 2.6e-7 and 4.8e-7 of their largest values; h is within 7.6e-3 of the fp32 sum's scale where
 the model's h is within 3.9e-3 (one bf16 rounding), because the interpreter cuts fp32 to bf16 instead of rounding
-(a kernel that only converts shows 7.5e-3). The interpreter also gets dots of bf16 operands wrong, so the dots take
-fp32 ones. The kernel compiles for sm_90 and gfx950 (checked the way tests/test_triton.py does)."""
+(a kernel that only converts shows 7.5e-3). Given the same gradients of (h, post, comb), dfn, dscale and dbase
+match the model's to 1.7e-7, 7.7e-7 and 2.5e-7, dx to 4.6e-3 (bf16). The interpreter also gets dots of bf16
+operands wrong, so the dots take fp32 ones. The kernel compiles for sm_90 and gfx950 (as tests/test_triton.py
+checks its kernels); under torch.compile (aot_eager, fullgraph) the op's values and gradients equal eager's."""
 import os
 import sys
 
@@ -22,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model_dsv4 as m  # noqa: E402  (before triton: with no GPU, kernels.py switches Triton to its interpreter)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+import kernels  # noqa: E402
 from kernels import _sums, split_bf16  # noqa: E402
 from probe_mhc import measure  # noqa: E402
 
@@ -31,11 +38,12 @@ T = int(os.environ.get("PROBE_TOKENS", 4096 if CUDA else 32))
 
 
 @triton.jit
-def _hc_pre_fwd(x_ptr, f_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_ptr, n_tok, eps_norm, eps_hc,
+def _hc_pre_fwd(x_ptr, f_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_ptr, a_ptr, r_ptr, n_tok, eps_norm, eps_hc,
                 D: tl.constexpr, N: tl.constexpr, STEPS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                 BD: tl.constexpr):
     """x [T, N * D] bf16; f [3 parts, 3 groups, 16, N * D] bf16 (group 0: fn's pre rows, 1: post, 2: comb, each
-    padded with zero rows to 16); writes h [T, D] bf16, post [T, N] and comb [T, N, N] fp32. N = 4."""
+    padded with zero rows to 16); writes h [T, D] bf16, post [T, N] and comb [T, N, N] fp32, and for the backward
+    the mixes a [T, (2 + N) * N] and the norm's r [T] (fp32). N = 4."""
     K: tl.constexpr = N * D
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tm = t < n_tok
@@ -53,6 +61,11 @@ def _hc_pre_fwd(x_ptr, f_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_ptr, n_
             a_post = tl.dot(xf, tl.load(rows + 16 * K).to(tl.float32), a_post)  # bf16 dots wrong (3.9.0)
             a_comb = tl.dot(xf, tl.load(rows + 2 * 16 * K).to(tl.float32), a_comb)
     r = tl.rsqrt(ss / K + eps_norm)[:, None]
+    tl.store(r_ptr + t[:, None], r, mask=tm[:, None])
+    row, R = a_ptr + t[:, None] * (2 + N) * N + r16[None, :], (2 + N) * N
+    tl.store(row, a_pre * r, mask=tm[:, None] & (r16[None, :] < N))
+    tl.store(row + N, a_post * r, mask=tm[:, None] & (r16[None, :] < N))
+    tl.store(row + 2 * N, a_comb * r, mask=tm[:, None] & (r16[None, :] < R - 2 * N))
     s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
     b_pre = tl.load(base_ptr + r16, mask=r16 < N, other=0.0)
     b_post = tl.load(base_ptr + N + r16, mask=r16 < N, other=0.0)
@@ -85,15 +98,69 @@ def fn_groups(fn, n):
     return out
 
 
-def hc_pre_fused(x, f, scale, base, args, BT=16, BK=64, BD=128):
-    """x [B, T, n, D] bf16 -> (h [B, T, D] bf16, post [B, T, n], comb [B, T, n, n]), as Block.hc_pre."""
+@torch.library.custom_op("probe_hc::hc_pre", mutates_args=())
+def hc_pre_op(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps_norm: float,
+              eps_hc: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block.hc_pre as one kernel: x [B, T, n, D] bf16 -> (h [B, T, D] bf16, post [B, T, n], comb [B, T, n, n], and
+    for the backward the mixes [B, T, (2 + n) * n] and r [B, T])."""
     B, T, n, D = x.shape
     h = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
-    post = torch.empty(B, T, n, device=x.device)
-    comb = torch.empty(B, T, n, n, device=x.device)
-    _hc_pre_fwd[(triton.cdiv(B * T, BT),)](x, f, scale, base, h, post, comb, B * T, args.rms_norm_eps, args.hc_eps,
-                                           D=D, N=n, STEPS=2 * args.hc_sinkhorn_iters - 1, BT=BT, BK=BK, BD=BD)
-    return h, post, comb
+    post, comb = torch.empty(B, T, n, device=x.device), torch.empty(B, T, n, n, device=x.device)
+    a, r = torch.empty(B, T, (2 + n) * n, device=x.device), torch.empty(B, T, device=x.device)
+    BT, BK, BD = 16, 64, 128
+    assert D % BD == 0 and BD % BK == 0, f"hidden_size ({D}) must divide by {BD}"  # the loops have no masks along D
+    _hc_pre_fwd[(triton.cdiv(B * T, BT),)](x.contiguous(), fn_groups(fn, n), scale, base, h, post, comb, a, r, B * T,
+                                           eps_norm, eps_hc, D=D, N=n, STEPS=2 * iters - 1, BT=BT, BK=BK, BD=BD)
+    return h, post, comb, a, r
+
+
+@hc_pre_op.register_fake
+def _(x, fn, scale, base, eps_norm, eps_hc, iters):
+    B, T, n, D = x.shape
+    f32 = lambda *shape: x.new_empty(*shape, dtype=torch.float32)
+    return x.new_empty(B, T, D), f32(B, T, n), f32(B, T, n, n), f32(B, T, (2 + n) * n), f32(B, T)
+
+
+def _setup(ctx, inputs, output):
+    x, fn, scale, base, ctx.eps_norm, ctx.eps_hc, ctx.iters = inputs
+    ctx.save_for_backward(x, fn, scale, base, output[3], output[4])
+
+
+def _backward(ctx, dh, dpost, dcomb, _da, _dr):
+    """Torch code (compiled with the rest of a compiled caller's backward): through pre / post / the softmax and
+    Sinkhorn (kernels.py's Triton backward) to the mixes, then kernels.hc_mixes_grads, plus pre's part of dx."""
+    x, fn, scale, base, a, r = ctx.saved_tensors
+    B, T, n, D = x.shape
+    xs, a, r = x.reshape(-1, n, D), a.reshape(-1, (2 + n) * n), r.reshape(-1, 1)
+    dh, dpost, dcomb = dh.reshape(-1, D).float(), dpost.reshape(-1, n), dcomb.reshape(-1, n, n)
+    s = torch.cat([scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)])  # each mix's scale
+    u = a * s + base
+    sig_pre, sig_post = torch.sigmoid(u[:, :n]), torch.sigmoid(u[:, n:2 * n])
+    p = u[:, 2 * n:].view(-1, n, n).softmax(-1)
+    du_pre = (dh[:, None, :] * xs.float()).sum(-1) * sig_pre * (1 - sig_pre)
+    du_post = dpost * 2 * sig_post * (1 - sig_post)
+    dp = kernels._sinkhorn_triton_backward(p + ctx.eps_hc, dcomb.contiguous(), ctx.iters, ctx.eps_hc)
+    du = torch.cat([du_pre, du_post, (p * (dp - (dp * p).sum(-1, keepdim=True))).flatten(1)], 1)
+    dscale = torch.stack([(du * a)[:, :n].sum(), (du * a)[:, n:2 * n].sum(), (du * a)[:, 2 * n:].sum()])
+    R, Rp = fn.shape[0], fn.shape[0] + -fn.shape[0] % 8
+    f = torch.cat(split_bf16(torch.nn.functional.pad(fn, (0, 0, 0, Rp - R))))  # as _HcMixes keeps it
+    dx, dfn = kernels.hc_mixes_grads(x.reshape(-1, n * D), f, a / r, r, du * s)
+    dx = dx.view(-1, n, D) + (torch.sigmoid(u[:, :n]) + ctx.eps_hc)[:, :, None] * dh[:, None, :]
+    return dx.to(x.dtype).view(x.shape), dfn, dscale, du.sum(0), None, None, None
+
+
+hc_pre_op.register_autograd(_backward, setup_context=_setup)
+
+
+def rel(a, b):
+    """Largest difference over largest value."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def hc_pre_fused(block, x, fn, scale, base):
+    """Block.hc_pre's signature and results."""
+    a = block.args
+    return hc_pre_op(x, fn, scale, base, a.rms_norm_eps, a.hc_eps, a.hc_sinkhorn_iters)[:3]
 
 
 if __name__ == "__main__":
@@ -102,25 +169,50 @@ if __name__ == "__main__":
     torch.nn.Module.__init__(block)
     block.args, block.fast, n, D = args, True, args.hc_mult, args.hidden_size
     g = torch.Generator(device=DEV).manual_seed(1)
-    fn = torch.randn((2 + n) * n, n * D, device=DEV, generator=g) * 0.02
-    scale = torch.tensor([0.5, 0.5, 1.0], device=DEV)
-    base = torch.randn((2 + n) * n, device=DEV, generator=g) * 0.1
-    x = torch.randn(1, T, n, D, device=DEV, generator=g).bfloat16()
-    f = fn_groups(fn, n)
+    fn = (torch.randn((2 + n) * n, n * D, device=DEV, generator=g) * 0.02).requires_grad_()
+    scale = torch.tensor([0.5, 0.5, 1.0], device=DEV, requires_grad=True)
+    base = (torch.randn((2 + n) * n, device=DEV, generator=g) * 0.1).requires_grad_()
+    x = torch.randn(1, T, n, D, device=DEV, generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(1, T, n, D, device=DEV, generator=g).bfloat16()
     print(f"{torch.cuda.get_device_name() if CUDA else 'cpu'}, torch {torch.__version__}, triton {triton.__version__},"
           f" {T} tokens")
     with torch.no_grad():
-        ref = block.hc_pre(x, fn, scale, base)  # eager, the fast kernels on (on a CPU: fp32 mixes, the loop)
-        got = hc_pre_fused(x, f, scale, base, args)
+        ref = block.hc_pre(x, fn, scale, base)  # eager, the fast kernels on (on a CPU: the Sinkhorn loop)
+        got = hc_pre_fused(block, x, fn, scale, base)
         for name, a, b in zip(("h", "post", "comb"), got, ref):
-            err = (a.float() - b.float()).abs().max() / b.float().abs().max()
-            print(f"  fused against Block.hc_pre: {name} {err:.1e} of its largest value")
+            print(f"  fused against Block.hc_pre: {name} {rel(a, b):.1e} of its largest value")
         pre = m.hc_split_sinkhorn(m.hc_mixes(x, fn, args.rms_norm_eps), scale, base, n, args.hc_sinkhorn_iters,
                                   args.hc_eps)[0]
         h32, size = ((pre.unsqueeze(-1) * t).sum(2) for t in (x.float(), x.float().abs()))  # h before its rounding
         print("  h against the fp32 sum, largest error over the sum of its terms' sizes (one bf16 rounding: 3.9e-3 at"
-              " most): fused " + " and model ".join(f"{((a.float() - h32).abs() / size).max():.1e}" for a in (got[0], ref[0])))
-        if CUDA:
-            compiled = torch.compile(lambda x: block.hc_pre(x, fn, scale, base))
-            measure("hc_pre forward, compiled model code", lambda: compiled(x), top=8)
-            measure("hc_pre forward, one Triton kernel", lambda: hc_pre_fused(x, f, scale, base, args), top=2)
+              " most): fused " + " and model ".join(f"{((a.float() - h32).abs() / size).max():.1e}"
+                                                      for a in (got[0], ref[0])))
+
+    outs = {name: pre_of(x, fn, scale, base) for name, pre_of in (("model", block.hc_pre),
+                                                                    ("fused", lambda *t: hc_pre_fused(block, *t)))}
+    douts = [torch.randn(t.shape, device=DEV, generator=g).to(t.dtype) for t in outs["model"]]
+    back = {k: torch.autograd.grad(v, [x, fn, scale, base], douts) for k, v in outs.items()}
+    print("  the same gradients of (h, post, comb) back through hc_pre, fused against model, largest difference over"
+          " largest value: dx, dfn, dscale, dbase " + " ".join(f"{rel(a, b):.1e}"
+                                                               for a, b in zip(back["fused"], back["model"])))
+
+    def sublayer(x, fn, scale, base, pre_of):  # hc_pre, the identity as the sublayer, hc_post
+        h, post, comb = pre_of(x, fn, scale, base)
+        return block.hc_post(h, x, post, comb)
+    forms = {"model": block.hc_pre, "fused": lambda *t: hc_pre_fused(block, *t)}
+    grads = {}
+    for name, pre_of in forms.items():  # eager: the gradients
+        y = sublayer(x, fn, scale, base, pre_of)
+        grads[name] = (y, *torch.autograd.grad(y, [x, fn, scale, base], dy))
+    print("  sublayer, fused against model, largest difference over largest value: out, dx, dfn, dscale, dbase "
+          + " ".join(f"{rel(a, b):.1e}" for a, b in zip(grads["fused"], grads["model"])))
+    if CUDA:
+        for name, pre_of in forms.items():
+            with torch.no_grad():
+                f = torch.compile(lambda x, pre_of=pre_of: pre_of(x, fn, scale, base))
+                measure(f"hc_pre forward, {name}, compiled", lambda: f(x), top=8)
+        for name, pre_of in forms.items():
+            torch._dynamo.reset()
+            f = torch.compile(lambda x, fn, scale, base, pre_of=pre_of: sublayer(x, fn, scale, base, pre_of))
+            measure(f"sublayer forward+backward, {name}, compiled",
+                    lambda: torch.autograd.grad(f(x, fn, scale, base), [x, fn, scale, base], dy), top=8)
