@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 if not torch.accelerator.is_available():  # no GPU (the tests on a CPU): Triton's interpreter runs its kernels on CPU
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # tensors in numpy; read by each @triton.jit, triton's own too
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # tensors in numpy. Each @triton.jit reads this when it runs,
+    # triton.language's own at its import: so this module is imported before triton (tests/test_triton.py does)
 try:
     import triton
     import triton.language as tl

@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
+from kernels import sinkhorn_triton  # before triton: without a GPU, kernels.py turns on Triton's interpreter first
+from model_dsv4 import sinkhorn
+
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
-from kernels import sinkhorn_triton  # noqa: E402
-from model_dsv4 import sinkhorn  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
