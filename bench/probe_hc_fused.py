@@ -8,17 +8,20 @@ parts of fn x three groups of rows: pre, post, comb, each padded to 16 rows) and
 activations and Sinkhorn run in registers; a second loop over D forms the weighted sum (the same rows again, from
 L2 when they fit). The backward is torch code (hc_pre_op's _backward: compiled with the rest of a compiled caller's
 backward), the same formulas autograd derives for the model's hc_pre, with kernels.hc_mixes_grads and the Triton
-Sinkhorn's backward.
+Sinkhorn's backward; or (DX_KERNEL) with dx written by a second Triton kernel, _hc_pre_dx, which forms dz @ fn in
+registers where the compiled code writes it out as an fp32 [T, n * D] tensor (100 MB here) and reads it back.
 python bench/probe_hc_fused.py   prints the values and gradients against Block.hc_pre; on a GPU then the forward
-alone and a sublayer's forward+backward (hc_pre, the identity, hc_post), each compiled, model against fused.
+alone and a sublayer's forward+backward (hc_pre, the identity, hc_post), each compiled: the model's code, the fused
+forward, the fused forward with the dx kernel.
 (On a CPU: Triton's interpreter, PROBE_TOKENS=32, the checks only.)
 Written in session 14 without a GPU; not yet run on one. On the dev CPU (Triton 3.9.0's interpreter) post and comb
 match Block.hc_pre to 2.6e-7 and 4.8e-7 of their largest values; h is within 7.6e-3 of the fp32 sum's scale where
 the model's h is within 3.9e-3 (one bf16 rounding), because the interpreter cuts fp32 to bf16 instead of rounding
 (a kernel that only converts shows 7.5e-3). Given the same gradients of (h, post, comb), dfn, dscale and dbase
-match the model's to 1.7e-7, 7.7e-7 and 2.5e-7, dx to 4.6e-3 (bf16). The interpreter also gets dots of bf16
-operands wrong, so the dots take fp32 ones. The kernel compiles for sm_90 and gfx950 (as tests/test_triton.py
-checks its kernels); under torch.compile (aot_eager, fullgraph) the op's values and gradients equal eager's."""
+match the model's to 1.7e-7, 7.7e-7 and 2.5e-7, dx to 4.6e-3 (bf16), with or without the dx kernel (its norm
+term's sign flipped: 1.1e-2). The interpreter also gets dots of bf16 operands wrong, so the dots take fp32 ones.
+Both kernels compile for sm_90 and gfx950 (as tests/test_triton.py checks its kernels); under torch.compile (aot_eager, fullgraph) the op's values and gradients equal eager's (dx to
+1.8e-4 with the dx kernel)."""
 import os
 import sys
 
@@ -121,6 +124,49 @@ def _(x, fn, scale, base, eps_norm, eps_hc, iters):
     return x.new_empty(B, T, D), f32(B, T, n), f32(B, T, n, n), f32(B, T, (2 + n) * n), f32(B, T)
 
 
+@triton.jit
+def _hc_pre_dx(x_ptr, dh_ptr, pre_ptr, c_ptr, g_ptr, f_ptr, dx_ptr, n_tok, D: tl.constexpr, N: tl.constexpr,
+               BT: tl.constexpr, BK: tl.constexpr):
+    """hc_pre's dx in one pass: dx = pre_i dh (for stream i) + dz @ fn - c x, with dz [T, 32] in three bf16 parts
+    g [3, T, 32] and fn in three, f [3, 32, N * D] (all nine products: fp32 accuracy), c [T] the norm's term.
+    The compiled torch code writes dz @ fn out as an fp32 [T, N * D] tensor and reads it back."""
+    K: tl.constexpr = N * D
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tm = t < n_tok
+    k, r32 = tl.arange(0, BK), tl.arange(0, 32)
+    g = g_ptr + t[:, None] * 32 + r32[None, :]
+    g0 = tl.load(g, mask=tm[:, None], other=0.0).to(tl.float32)  # fp32 operands: see _hc_pre_fwd's dots
+    g1 = tl.load(g + n_tok * 32, mask=tm[:, None], other=0.0).to(tl.float32)
+    g2 = tl.load(g + 2 * n_tok * 32, mask=tm[:, None], other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + t, mask=tm, other=0.0)[:, None]
+    for k0 in range(0, K, BK):
+        i = k0 // D  # the stream of this chunk (BK divides D)
+        x = tl.load(x_ptr + t[:, None] * K + k0 + k[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + t[:, None] * D + k0 - i * D + k[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+        acc = tl.load(pre_ptr + t * N + i, mask=tm, other=0.0)[:, None] * dh - c * x
+        for q in tl.static_range(3):
+            fq = tl.load(f_ptr + q * 32 * K + r32[:, None] * K + k0 + k[None, :]).to(tl.float32)  # [32, BK]
+            acc = tl.dot(g2, fq, tl.dot(g1, fq, tl.dot(g0, fq, acc)))
+        tl.store(dx_ptr + t[:, None] * K + k0 + k[None, :], acc.to(tl.bfloat16), mask=tm[:, None])
+
+
+@torch.library.custom_op("probe_hc::hc_pre_dx", mutates_args=())
+def hc_pre_dx_op(x: torch.Tensor, dh: torch.Tensor, pre: torch.Tensor, c: torch.Tensor, g: torch.Tensor,
+                 f: torch.Tensor) -> torch.Tensor:
+    """x [M, n * D] bf16, dh [M, D], pre [M, n], c [M], g [3, M, 32], f [3, 32, n * D] -> dx [M, n * D] bf16."""
+    M, n, D = x.shape[0], pre.shape[1], dh.shape[1]
+    dx = torch.empty_like(x)
+    BT, BK = 16, 64
+    assert D % BK == 0, f"hidden_size ({D}) must divide by {BK}"
+    _hc_pre_dx[(triton.cdiv(M, BT),)](x, dh.contiguous(), pre.contiguous(), c.contiguous(), g.contiguous(),
+                                      f.contiguous(), dx, M, D=D, N=n, BT=BT, BK=BK)
+    return dx
+
+
+hc_pre_dx_op.register_fake(lambda x, *rest: torch.empty_like(x))
+DX_KERNEL = False  # the backward's dx: _hc_pre_dx (True) or the torch code of kernels.hc_mixes_grads (False)
+
+
 def _setup(ctx, inputs, output):
     x, fn, scale, base, ctx.eps_norm, ctx.eps_hc, ctx.iters = inputs
     ctx.save_for_backward(x, fn, scale, base, output[3], output[4])
@@ -132,7 +178,8 @@ def _backward(ctx, dh, dpost, dcomb, _da, _dr):
     x, fn, scale, base, a, r = ctx.saved_tensors
     B, T, n, D = x.shape
     xs, a, r = x.reshape(-1, n, D), a.reshape(-1, (2 + n) * n), r.reshape(-1, 1)
-    dh, dpost, dcomb = dh.reshape(-1, D).float(), dpost.reshape(-1, n), dcomb.reshape(-1, n, n)
+    dh16, dpost, dcomb = dh.reshape(-1, D), dpost.reshape(-1, n), dcomb.reshape(-1, n, n)
+    dh = dh16.float()
     s = torch.cat([scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)])  # each mix's scale
     u = a * s + base
     sig_pre, sig_post = torch.sigmoid(u[:, :n]), torch.sigmoid(u[:, n:2 * n])
@@ -142,10 +189,19 @@ def _backward(ctx, dh, dpost, dcomb, _da, _dr):
     dp = kernels._sinkhorn_triton_backward(p + ctx.eps_hc, dcomb.contiguous(), ctx.iters, ctx.eps_hc)
     du = torch.cat([du_pre, du_post, (p * (dp - (dp * p).sum(-1, keepdim=True))).flatten(1)], 1)
     dscale = torch.stack([(du * a)[:, :n].sum(), (du * a)[:, n:2 * n].sum(), (du * a)[:, 2 * n:].sum()])
+    pre = sig_pre + ctx.eps_hc
+    if DX_KERNEL:  # what hc_mixes_grads does, with dz @ fn inside the kernel that writes dx
+        R = fn.shape[0]
+        g = torch.stack(split_bf16(torch.nn.functional.pad(du * s * r, (0, 32 - R))))  # [3, M, 32]
+        f = torch.stack(split_bf16(torch.nn.functional.pad(fn, (0, 0, 0, 32 - R))))  # [3, 32, K]
+        c = (du * s * a).sum(-1) * r[:, 0] ** 2 / (n * D)
+        dx = hc_pre_dx_op(x.reshape(-1, n * D), dh16, pre, c, g, f)
+        dfn = kernels.mm_f32(g.transpose(1, 2).reshape(-1, g.shape[1]), x.reshape(-1, n * D)).view(3, 32, -1)
+        return dx.view(x.shape), dfn.sum(0)[:R], dscale, du.sum(0), None, None, None
     R, Rp = fn.shape[0], fn.shape[0] + -fn.shape[0] % 8
     f = torch.cat(split_bf16(torch.nn.functional.pad(fn, (0, 0, 0, Rp - R))))  # as _HcMixes keeps it
     dx, dfn = kernels.hc_mixes_grads(x.reshape(-1, n * D), f, a / r, r, du * s)
-    dx = dx.view(-1, n, D) + (torch.sigmoid(u[:, :n]) + ctx.eps_hc)[:, :, None] * dh[:, None, :]
+    dx = dx.view(-1, n, D) + pre[:, :, None] * dh[:, None, :]
     return dx.to(x.dtype).view(x.shape), dfn, dscale, du.sum(0), None, None, None
 
 
@@ -188,31 +244,39 @@ if __name__ == "__main__":
               " most): fused " + " and model ".join(f"{((a.float() - h32).abs() / size).max():.1e}"
                                                       for a in (got[0], ref[0])))
 
-    outs = {name: pre_of(x, fn, scale, base) for name, pre_of in (("model", block.hc_pre),
-                                                                    ("fused", lambda *t: hc_pre_fused(block, *t)))}
-    douts = [torch.randn(t.shape, device=DEV, generator=g).to(t.dtype) for t in outs["model"]]
-    back = {k: torch.autograd.grad(v, [x, fn, scale, base], douts) for k, v in outs.items()}
-    print("  the same gradients of (h, post, comb) back through hc_pre, fused against model, largest difference over"
-          " largest value: dx, dfn, dscale, dbase " + " ".join(f"{rel(a, b):.1e}"
-                                                               for a, b in zip(back["fused"], back["model"])))
+    fused = lambda *t: hc_pre_fused(block, *t)
+    forms = (("model", block.hc_pre, False), ("fused", fused, False), ("fused, dx kernel", fused, True))
+    outs, back = {}, {}
+    for name, pre_of, dx_kernel in forms:  # the same gradients of (h, post, comb) back through each
+        DX_KERNEL = dx_kernel
+        outs[name] = pre_of(x, fn, scale, base)
+        if name == "model":
+            douts = [torch.randn(t.shape, device=DEV, generator=g).to(t.dtype) for t in outs[name]]
+        back[name] = torch.autograd.grad(outs[name], [x, fn, scale, base], douts)
+        if name != "model":
+            print(f"  the same gradients of (h, post, comb) back through hc_pre, {name} against model, largest "
+                  "difference over largest value: dx, dfn, dscale, dbase "
+                  + " ".join(f"{rel(a, b):.1e}" for a, b in zip(back[name], back["model"])))
 
     def sublayer(x, fn, scale, base, pre_of):  # hc_pre, the identity as the sublayer, hc_post
         h, post, comb = pre_of(x, fn, scale, base)
         return block.hc_post(h, x, post, comb)
-    forms = {"model": block.hc_pre, "fused": lambda *t: hc_pre_fused(block, *t)}
     grads = {}
-    for name, pre_of in forms.items():  # eager: the gradients
+    for name, pre_of, dx_kernel in forms:  # eager: the gradients
+        DX_KERNEL = dx_kernel
         y = sublayer(x, fn, scale, base, pre_of)
         grads[name] = (y, *torch.autograd.grad(y, [x, fn, scale, base], dy))
-    print("  sublayer, fused against model, largest difference over largest value: out, dx, dfn, dscale, dbase "
-          + " ".join(f"{rel(a, b):.1e}" for a, b in zip(grads["fused"], grads["model"])))
+        if name != "model":
+            print(f"  sublayer, {name} against model, largest difference over largest value: out, dx, dfn, dscale, "
+                  "dbase " + " ".join(f"{rel(a, b):.1e}" for a, b in zip(grads[name], grads["model"])))
     if CUDA:
-        for name, pre_of in forms.items():
+        for name, pre_of, _ in forms[:2]:
             with torch.no_grad():
                 f = torch.compile(lambda x, pre_of=pre_of: pre_of(x, fn, scale, base))
                 measure(f"hc_pre forward, {name}, compiled", lambda: f(x), top=8)
-        for name, pre_of in forms.items():
+        for name, pre_of, dx_kernel in forms:
             torch._dynamo.reset()
+            DX_KERNEL = dx_kernel  # read when the backward is traced, at the first call
             f = torch.compile(lambda x, fn, scale, base, pre_of=pre_of: sublayer(x, fn, scale, base, pre_of))
             measure(f"sublayer forward+backward, {name}, compiled",
                     lambda: torch.autograd.grad(f(x, fn, scale, base), [x, fn, scale, base], dy), top=8)
