@@ -389,9 +389,10 @@ def compile_layers(backend="inductor", graphs=False):
 
 def compile_hot_paths():
     """`compile='hot'`: torch.compile the chains of small elementwise ops that
-    leave a GPU waiting on kernel launches, above all mHC's Sinkhorn (20 iterations of sum and divide per
-    sublayer: ~6,000 launches per bench_2b training step). The functions are swapped where model_dsv4 looks them
-    up, so one call covers the trainer, the engine's prefill and decode (inside its CUDA graphs) alike."""
+    leave a GPU waiting on kernel launches: mHC's activations and Sinkhorn (with the fast kernels off, the loop's
+    20 iterations of sum and divide per sublayer: ~6,000 launches per bench_2b training step; sinkhorn_triton
+    takes 2), norms and RoPE. The functions are swapped where model_dsv4 looks them up, so one call covers the
+    trainer, the engine's prefill and decode (inside its CUDA graphs) alike."""
     import model_dsv4 as m
     compile = lambda fn: torch.compile(fn, dynamic=True)
     m.hc_split_sinkhorn, m.hc_mixes, m.apply_rope = (compile(f) for f in (m.hc_split_sinkhorn, m.hc_mixes, m.apply_rope))
