@@ -10,18 +10,22 @@ L2 when they fit). The backward is torch code (hc_pre_op's _backward: compiled w
 backward), the same formulas autograd derives for the model's hc_pre, with kernels.hc_mixes_grads and the Triton
 Sinkhorn's backward; or (DX_KERNEL) with dx written by a second Triton kernel, _hc_pre_dx, which forms dz @ fn in
 registers where the compiled code writes it out as an fp32 [T, n * D] tensor (100 MB here) and reads it back.
+A third kernel, _hc_post_bwd, takes Block.hc_post's backward in one pass over dy, f and x (HcPost: the compiled
+forward as in the model, this backward).
 python bench/probe_hc_fused.py   prints the values and gradients against Block.hc_pre; on a GPU then the forward
 alone and a sublayer's forward+backward (hc_pre, the identity, hc_post), each compiled: the model's code, the fused
-forward, the fused forward with the dx kernel.
+forward, the fused forward with the dx kernel, and that with hc_post's one-pass backward.
 (On a CPU: Triton's interpreter, PROBE_TOKENS=32, the checks only.)
 Written in session 14 without a GPU; not yet run on one. On the dev CPU (Triton 3.9.0's interpreter) post and comb
 match Block.hc_pre to 2.6e-7 and 4.8e-7 of their largest values; h is within 7.6e-3 of the fp32 sum's scale where
 the model's h is within 3.9e-3 (one bf16 rounding), because the interpreter cuts fp32 to bf16 instead of rounding
 (a kernel that only converts shows 7.5e-3). Given the same gradients of (h, post, comb), dfn, dscale and dbase
 match the model's to 1.7e-7, 7.7e-7 and 2.5e-7, dx to 4.6e-3 (bf16), with or without the dx kernel (its norm
-term's sign flipped: 1.1e-2). The interpreter also gets dots of bf16 operands wrong, so the dots take fp32 ones.
-Both kernels compile for sm_90 and gfx950 (as tests/test_triton.py checks its kernels); under torch.compile (aot_eager, fullgraph) the op's values and gradients equal eager's (dx to
-1.8e-4 with the dx kernel)."""
+term's sign flipped: 1.1e-2). hc_post's one-pass backward against autograd's: dpost and dcomb to 1.4e-7 and
+1.7e-7, df and dx to 6.0e-3 and 5.1e-3 (bf16; dcomb transposed: 1.2). The interpreter also gets dots of bf16
+operands wrong, so the dots take fp32 ones. The three kernels compile for sm_90 and gfx950 (as tests/test_triton.py
+checks its kernels); under torch.compile (aot_eager, fullgraph) a sublayer's values and gradients equal eager's
+(dx to 1.8e-4 with the dx kernel, exactly with hc_post's backward too)."""
 import os
 import sys
 
@@ -208,6 +212,70 @@ def _backward(ctx, dh, dpost, dcomb, _da, _dr):
 hc_pre_op.register_autograd(_backward, setup_context=_setup)
 
 
+# ----------------------------------------------------------------------------- hc_post's backward in one pass
+
+@triton.jit
+def _hc_post_bwd(dy_ptr, f_ptr, x_ptr, post_ptr, comb_ptr, df_ptr, dx_ptr, dpost_ptr, dcomb_ptr, n_tok,
+                 D: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Block.hc_post, y_k = post_k f + sum_j comb_jk x_j, backward in one pass over dy, f and x (dy, x [T, N, D] and
+    f [T, D] bf16; post [T, N], comb [T, N, N] fp32): df = sum_k post_k dy_k and dx_j = sum_k comb_jk dy_k written
+    as it goes, dpost_k = <dy_k, f> and dcomb_jk = <x_j, dy_k> summed over D in registers."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tm = t < n_tok
+    i, dd = tl.arange(0, N), tl.arange(0, BD)
+    post = tl.load(post_ptr + t[:, None] * N + i[None, :], mask=tm[:, None], other=0.0)  # [BT, N]
+    nn = t[:, None, None] * N * N + i[None, :, None] * N + i[None, None, :]
+    comb = tl.load(comb_ptr + nn, mask=tm[:, None, None], other=0.0)  # [BT, N (j), N (k)]
+    dpost = tl.zeros((BT, N), tl.float32)
+    dcomb = tl.zeros((BT, N, N), tl.float32)
+    for d0 in range(0, D, BD):
+        nd = t[:, None, None] * N * D + i[None, :, None] * D + d0 + dd[None, None, :]  # [BT, N, BD]
+        dy = tl.load(dy_ptr + nd, mask=tm[:, None, None], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + nd, mask=tm[:, None, None], other=0.0).to(tl.float32)
+        f = tl.load(f_ptr + t[:, None] * D + d0 + dd[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+        tl.store(df_ptr + t[:, None] * D + d0 + dd[None, :], tl.sum(post[:, :, None] * dy, 1).to(tl.bfloat16),
+                 mask=tm[:, None])
+        dx = tl.sum(comb[:, :, :, None] * dy[:, None, :, :], 2)  # [BT, N (j), BD]: the sum over k
+        tl.store(dx_ptr + nd, dx.to(tl.bfloat16), mask=tm[:, None, None])
+        dpost += tl.sum(dy * f[:, None, :], 2)
+        dcomb += tl.sum(x[:, :, None, :] * dy[:, None, :, :], 3)
+    tl.store(dpost_ptr + t[:, None] * N + i[None, :], dpost, mask=tm[:, None])
+    tl.store(dcomb_ptr + nn, dcomb, mask=tm[:, None, None])
+
+
+@torch.library.custom_op("probe_hc::hc_post_backward", mutates_args=())
+def hc_post_backward_op(dy: torch.Tensor, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor,
+                        comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (df, dx, dpost, dcomb), each shaped as its tensor."""
+    n, D = x.shape[-2:]
+    M = x.numel() // (n * D)
+    df, dx, dpost, dcomb = (torch.empty_like(t) for t in (f, x, post, comb))
+    BT, BD = 4, 128
+    assert D % BD == 0, f"hidden_size ({D}) must divide by {BD}"
+    _hc_post_bwd[(triton.cdiv(M, BT),)](dy.contiguous(), f.contiguous(), x.contiguous(), post.contiguous(),
+                                        comb.contiguous(), df, dx, dpost, dcomb, M, D=D, N=n, BT=BT, BD=BD)
+    return df, dx, dpost, dcomb
+
+
+hc_post_backward_op.register_fake(lambda dy, f, x, post, comb: tuple(torch.empty_like(t) for t in (f, x, post, comb)))
+
+
+class HcPost(torch.autograd.Function):
+    """Block.hc_post (its compiled form: the sum over streams as additions, which inductor fuses) with the backward
+    above."""
+    @staticmethod
+    def forward(ctx, f, x, post, comb):
+        ctx.save_for_backward(f, x, post, comb)
+        y = post.unsqueeze(-1) * f.float().unsqueeze(-2)
+        for j in range(x.shape[-2]):
+            y = y + comb[..., j, :].unsqueeze(-1) * x[..., j, None, :].float()
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return hc_post_backward_op(dy, *ctx.saved_tensors)
+
+
 def rel(a, b):
     """Largest difference over largest value."""
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
@@ -258,25 +326,38 @@ if __name__ == "__main__":
                   "difference over largest value: dx, dfn, dscale, dbase "
                   + " ".join(f"{rel(a, b):.1e}" for a, b in zip(back[name], back["model"])))
 
-    def sublayer(x, fn, scale, base, pre_of):  # hc_pre, the identity as the sublayer, hc_post
+    # hc_post alone: the one-pass backward against autograd's, for the same dy
+    f_in = torch.randn(1, T, D, device=DEV, generator=g).bfloat16().requires_grad_()
+    post_in = (torch.rand(1, T, n, device=DEV, generator=g) * 2).requires_grad_()
+    comb_in = torch.rand(1, T, n, n, device=DEV, generator=g).requires_grad_()
+    ins = [f_in, x, post_in, comb_in]
+    want = torch.autograd.grad(block.hc_post(*ins), ins, dy)
+    have = torch.autograd.grad(HcPost.apply(*ins), ins, dy)
+    print("  hc_post's backward in one pass against autograd's, largest difference over largest value: df, dx, dpost,"
+          " dcomb " + " ".join(f"{rel(a, b):.1e}" for a, b in zip(have, want)))
+
+    def sublayer(x, fn, scale, base, pre_of, post_of):  # hc_pre, the identity as the sublayer, hc_post
         h, post, comb = pre_of(x, fn, scale, base)
-        return block.hc_post(h, x, post, comb)
+        return post_of(h, x, post, comb)
+    forms = [(name, pre_of, dx_kernel, block.hc_post) for name, pre_of, dx_kernel in forms]
+    forms.append(("fused, dx kernel, hc_post backward in one pass", fused, True, HcPost.apply))
     grads = {}
-    for name, pre_of, dx_kernel in forms:  # eager: the gradients
+    for name, pre_of, dx_kernel, post_of in forms:  # eager: the gradients
         DX_KERNEL = dx_kernel
-        y = sublayer(x, fn, scale, base, pre_of)
+        y = sublayer(x, fn, scale, base, pre_of, post_of)
         grads[name] = (y, *torch.autograd.grad(y, [x, fn, scale, base], dy))
         if name != "model":
             print(f"  sublayer, {name} against model, largest difference over largest value: out, dx, dfn, dscale, "
                   "dbase " + " ".join(f"{rel(a, b):.1e}" for a, b in zip(grads[name], grads["model"])))
     if CUDA:
-        for name, pre_of, _ in forms[:2]:
+        for name, pre_of, _, _ in forms[:2]:
             with torch.no_grad():
                 f = torch.compile(lambda x, pre_of=pre_of: pre_of(x, fn, scale, base))
                 measure(f"hc_pre forward, {name}, compiled", lambda: f(x), top=8)
-        for name, pre_of, dx_kernel in forms:
+        for name, pre_of, dx_kernel, post_of in forms:
             torch._dynamo.reset()
             DX_KERNEL = dx_kernel  # read when the backward is traced, at the first call
-            f = torch.compile(lambda x, fn, scale, base, pre_of=pre_of: sublayer(x, fn, scale, base, pre_of))
+            f = torch.compile(lambda x, fn, scale, base, pre_of=pre_of, post_of=post_of:
+                              sublayer(x, fn, scale, base, pre_of, post_of))
             measure(f"sublayer forward+backward, {name}, compiled",
                     lambda: torch.autograd.grad(f(x, fn, scale, base), [x, fn, scale, base], dy), top=8)
