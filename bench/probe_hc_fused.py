@@ -13,8 +13,9 @@ registers where the compiled code writes it out as an fp32 [T, n * D] tensor (10
 A third kernel, _hc_post_bwd, takes Block.hc_post's backward in one pass over dy, f and x (HcPost: the compiled
 forward as in the model, this backward).
 python bench/probe_hc_fused.py   prints the values and gradients against Block.hc_pre; on a GPU then the forward
-alone and a sublayer's forward+backward (hc_pre, the identity, hc_post), each compiled: the model's code, the fused
-forward, the fused forward with the dx kernel, and that with hc_post's one-pass backward.
+alone (also at a decode step's 64 tokens) and a sublayer's forward+backward (hc_pre, the identity, hc_post), each
+compiled: the model's code, the fused forward, the fused forward with the dx kernel, and that with hc_post's one-pass
+backward.
 (On a CPU: Triton's interpreter, PROBE_TOKENS=32, the checks only.)
 Written in session 14 without a GPU; not yet run on one. On the dev CPU (Triton 3.9.0's interpreter) post and comb
 match Block.hc_pre to 2.6e-7 and 4.8e-7 of their largest values; h is within 7.6e-3 of the fp32 sum's scale where
@@ -350,10 +351,12 @@ if __name__ == "__main__":
             print(f"  sublayer, {name} against model, largest difference over largest value: out, dx, dfn, dscale, "
                   "dbase " + " ".join(f"{rel(a, b):.1e}" for a, b in zip(grads[name], grads["model"])))
     if CUDA:
-        for name, pre_of, _, _ in forms[:2]:
+        for name, pre_of, _, _ in forms[:2]:  # at training's token count, and at a decode step's (batch 64)
             with torch.no_grad():
-                f = torch.compile(lambda x, pre_of=pre_of: pre_of(x, fn, scale, base))
-                measure(f"hc_pre forward, {name}, compiled", lambda: f(x), top=8)
+                for xt in (x, x[:, :64].contiguous()):
+                    torch._dynamo.reset()
+                    f = torch.compile(lambda x, pre_of=pre_of: pre_of(x, fn, scale, base))
+                    measure(f"hc_pre forward, {xt.shape[1]} tokens, {name}, compiled", lambda: f(xt), top=8)
         for name, pre_of, dx_kernel, post_of in forms:
             torch._dynamo.reset()
             DX_KERNEL = dx_kernel  # read when the backward is traced, at the first call
