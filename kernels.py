@@ -12,9 +12,9 @@ Fast paths for the model's expensive pieces, each beside the plain reference it 
     Reference: MoE.run_experts.
   - window_attention: sink attention over [window keys | compressed keys] computed per block of `window` queries,
     so the [T, T] score matrix of the reference (sink_attention with a band mask) is never formed.
-  - sinkhorn_triton: mHC's Sinkhorn loop as one Triton kernel forward and one backward, each token's n x n
-    matrix held in registers for all its steps. Reference: model_dsv4.sinkhorn (2 * iters reductions, each a
-    kernel or two even under torch.compile). Used by Block.hc_pre for GPU tensors when the kernels are on.
+  - sinkhorn_triton (kernels_triton.py, the project's Triton kernels): mHC's Sinkhorn loop as one Triton kernel
+    forward and one backward, each token's n x n matrix held in registers for all its steps. Reference:
+    model_dsv4.sinkhorn. Used by Block.hc_pre for GPU tensors when the kernels are on.
 
 `Transformer.set_kernels(True)` switches hc_mixes_bf16, sinkhorn_triton, grouped_experts and window_attention on
 (train_grpo.py: `kernels='auto'` = on for CUDA).
@@ -22,19 +22,9 @@ compile_hot_paths / compile_layers (train_grpo.py `compile`, bench.py --compile)
 PathInvariant goes the other way, exact and slow: every sum in fp64 (Transformer.set_invariant).
 """
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
-
-if not torch.accelerator.is_available():  # no GPU (the tests on a CPU): Triton's interpreter runs its kernels on CPU
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # tensors in numpy. Each @triton.jit reads this when it runs,
-    # triton.language's own at its import: so this module is imported before triton (tests/test_triton.py does)
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # torch's CPU build comes without Triton: model_dsv4.sinkhorn's loop runs instead
-    triton = tl = None
 
 # T tokens, H heads, d head dim, w window (= block of queries), nb blocks, S compressed entries, e local experts
 
@@ -120,8 +110,9 @@ class _HcMixes(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        dx, dfn = hc_mixes_grads(*ctx.saved_tensors, dy)
-        return dx.to(ctx.saved_tensors[0].dtype), dfn, None
+        saved = ctx.saved_tensors
+        dx, dfn = hc_mixes_grads(*saved, dy)
+        return dx.to(saved[0].dtype), dfn, None
 
 
 def hc_mixes_grads(x, f, z, r, dy):
@@ -138,117 +129,6 @@ def hc_mixes_grads(x, f, z, r, dy):
 def hc_mixes_bf16(x, fn, eps):
     """x bf16 [..., K], fn fp32 [R, K] -> fp32 [..., R]: _HcMixes over the flattened rows."""
     return _HcMixes.apply(x.reshape(-1, x.shape[-1]), fn, eps).view(*x.shape[:-1], fn.shape[0])
-
-
-# ----------------------------------------------------------------------------- mHC's Sinkhorn in Triton
-# Each token's n x n matrix is 16 numbers (n = 4) put through 39 steps of "divide each column (row) by its sum". As
-# tensor ops every step is a reduction over the [T, n, n] tensor, written out and read back: 158 kernels and 170 us
-# forward+backward for 4096 tokens on an H200 even compiled. Here a program takes BLOCK tokens, loads their matrices
-# once and runs all the steps in registers: 2 kernels, 20 us with the backward's (bench/RESULTS.md, session 14).
-
-_jit = triton.jit if triton else (lambda fn: fn)
-BLOCK = 16  # tokens a program: 256 programs for 4096 tokens, enough to fill an H200's 132 SMs
-
-
-@_jit
-def _tile(n_tok, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
-    """Offsets and mask of this program's [BLOCK, NP, NP] tile of a contiguous [n_tok, N, N] tensor (NP: N rounded
-    up to a power of two, as tl.arange needs; the padding loads as 0 and stays 0)."""
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    i = tl.arange(0, NP)
-    off = t[:, None, None] * N * N + i[None, :, None] * N + i[None, None, :]
-    return off, (t[:, None, None] < n_tok) & (i[None, :, None] < N) & (i[None, None, :] < N)
-
-
-@_jit
-def _sums(x, s):
-    """x [BLOCK, NP, NP] summed along step s's axis and broadcast back to x's shape: even steps divide each column by
-    its sum over the rows (axis 1), odd steps each row (axis 2)."""
-    if s % 2 == 0:
-        r = tl.broadcast_to(tl.sum(x, 1)[:, None, :], x.shape)
-    else:  # (one shape from both branches: Triton's compiler needs that unless s is a constant; its interpreter
-        # does not check, tests/test_triton.py compiles the kernels for that)
-        r = tl.broadcast_to(tl.sum(x, 2)[:, :, None], x.shape)
-    return r
-
-
-@_jit
-def _sinkhorn_fwd(c_ptr, out_ptr, n_tok, eps, STEPS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    off, mask = _tile(n_tok, N, NP, BLOCK)
-    c = tl.load(c_ptr + off, mask=mask, other=0.0)
-    for s in tl.static_range(STEPS):
-        c = c / (_sums(c, s) + eps)
-    tl.store(out_ptr + off, c, mask=mask)
-
-
-@_jit
-def _sinkhorn_bwd(c_ptr, dy_ptr, dc_ptr, steps_ptr, n_tok, eps, STEPS: tl.constexpr, N: tl.constexpr,
-                  NP: tl.constexpr, BLOCK: tl.constexpr):
-    """The forward again, each step's input stored to this program's rows of steps_ptr ([programs, STEPS, BLOCK *
-    NP * NP], 10 MB for 4096 tokens: it stays in L2), then from the last step back to the first: y = c / d, d = c
-    summed + eps, gives dc = (dy - (dy * y) summed the same way) / d."""
-    off, mask = _tile(n_tok, N, NP, BLOCK)
-    tile: tl.constexpr = BLOCK * NP * NP
-    b, i = tl.arange(0, BLOCK), tl.arange(0, NP)
-    mine = (steps_ptr + tl.program_id(0) * STEPS * tile  # this program's [STEPS, BLOCK, NP, NP], step 0's tile
-            + (b[:, None, None] * NP + i[None, :, None]) * NP + i[None, None, :])
-    c = tl.load(c_ptr + off, mask=mask, other=0.0)
-    for s in tl.static_range(STEPS):
-        tl.store(mine + s * tile, c)
-        c = c / (_sums(c, s) + eps)
-    tl.debug_barrier()  # each thread reads back what it stored; the barrier makes that hold for any layout
-    g = tl.load(dy_ptr + off, mask=mask, other=0.0)
-    for r in tl.static_range(STEPS):
-        c = tl.load(mine + (STEPS - 1 - r) * tile)
-        d = _sums(c, STEPS - 1 - r) + eps
-        g = (g - _sums(g * c / d, STEPS - 1 - r)) / d
-    tl.store(dc_ptr + off, g, mask=mask)
-
-
-def _launch(kernel, iters, eps, *tensors):
-    """Run kernel over tensors[0]'s tokens ([..., n, n] fp32); returns the output it writes (shaped like tensors[0])."""
-    n, NP, steps = tensors[0].shape[-1], triton.next_power_of_2(tensors[0].shape[-1]), 2 * iters - 1
-    tensors = [t.contiguous() for t in tensors]
-    out = torch.empty_like(tensors[0])
-    n_tok = out.numel() // (n * n)
-    grid = triton.cdiv(n_tok, BLOCK)
-    if kernel is _sinkhorn_bwd:  # room for each step's input
-        tensors.append(torch.empty(grid, steps, BLOCK * NP * NP, device=out.device, dtype=out.dtype))
-    kernel[(grid,)](*tensors[:2], out, *tensors[2:], n_tok, eps, STEPS=steps, N=n, NP=NP, BLOCK=BLOCK, num_warps=1)
-    return out
-
-
-@torch.library.custom_op("nano_dsv4::sinkhorn", mutates_args=())
-def sinkhorn_triton(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """model_dsv4.sinkhorn(comb, iters, eps) for comb [..., n, n] fp32: a custom op, so torch.compile leaves the
-    kernel as it is (and a CUDA graph records it)."""
-    return _launch(_sinkhorn_fwd, iters, eps, comb)
-
-
-@torch.library.custom_op("nano_dsv4::sinkhorn_backward", mutates_args=())
-def _sinkhorn_triton_backward(comb: torch.Tensor, dy: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    return _launch(_sinkhorn_bwd, iters, eps, comb, dy)
-
-
-for _op in (sinkhorn_triton, _sinkhorn_triton_backward):
-    _op.register_fake(lambda comb, *rest: torch.empty_like(comb))
-
-
-def _sinkhorn_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
-    ctx.iters, ctx.eps = inputs[1:]
-
-
-sinkhorn_triton.register_autograd(
-    lambda ctx, dy: (_sinkhorn_triton_backward(ctx.saved_tensors[0], dy, ctx.iters, ctx.eps), None, None),
-    setup_context=_sinkhorn_setup)
-
-
-def has_triton(t):
-    """Whether the model takes sinkhorn_triton for t: Triton is installed and t is on a GPU. (On a CPU the loop is
-    faster than Triton's interpreter, which the tests call sinkhorn_triton through.)"""
-    return triton is not None and t.is_cuda
 
 
 def stack_experts_(experts):

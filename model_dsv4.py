@@ -22,8 +22,9 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 import torch.nn.functional as F
-from kernels import (PathInvariant, grouped_experts, has_triton, hc_mixes_bf16, is_stacked, linear_f32, matmul_f32,
-                     sinkhorn_triton, stack_experts_, window_attention)
+from kernels import (PathInvariant, grouped_experts, hc_mixes_bf16, is_stacked, linear_f32, matmul_f32, stack_experts_,
+                     window_attention)
+from kernels_triton import has_triton, sinkhorn_triton
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
 # -----------------------------------------------------------------------------
@@ -577,7 +578,7 @@ def hc_split_sinkhorn(mixes, scale, base, n, iters, eps, fast=False):
 def sinkhorn(comb, iters, eps, fast=False):
     """comb [..., n, n] > 0 -> doubly stochastic: columns, then rows and columns iters - 1 times, each divided by
     its sum + eps."""
-    if fast and has_triton(comb):  # kernels.py: the whole loop in one Triton kernel (and one for the backward)
+    if fast and has_triton(comb):  # kernels_triton.py: the loop in one Triton kernel (and one for the backward)
         return sinkhorn_triton(comb, iters, eps)
     if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # decode: one tensor per entry (below)
         return sinkhorn_entries(comb, iters, eps)
@@ -628,7 +629,7 @@ def hc_head(x, fn, scale, base, args):
 
 class Block(nn.Module):
     """One layer: attention and MoE sublayers, each wrapped by hc_pre (n streams -> 1) and hc_post (1 -> n)."""
-    fast = False  # set by Transformer.set_kernels: hc_pre's mixes on tensor cores, its Sinkhorn in Triton (kernels.py)
+    fast = False  # set by Transformer.set_kernels: hc_pre's mixes on tensor cores, its Sinkhorn in Triton
     def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
         self.args, self.layer_id = args, layer_id

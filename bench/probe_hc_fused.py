@@ -33,12 +33,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import model_dsv4 as m  # noqa: E402  (before triton: with no GPU, kernels.py switches Triton to its interpreter)
+import model_dsv4 as m  # noqa: E402  (before triton: with no GPU, kernels_triton.py switches Triton to its interpreter)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 import kernels  # noqa: E402
-from kernels import _sums, split_bf16  # noqa: E402
-from probe_mhc import measure  # noqa: E402
+from kernels import split_bf16  # noqa: E402
+from kernels_triton import _sinkhorn_triton_backward, _sums  # noqa: E402
+from probe_mhc import measure, mhc_inputs  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -191,7 +192,7 @@ def _backward(ctx, dh, dpost, dcomb, _da, _dr):
     p = u[:, 2 * n:].view(-1, n, n).softmax(-1)
     du_pre = (dh[:, None, :] * xs.float()).sum(-1) * sig_pre * (1 - sig_pre)
     du_post = dpost * 2 * sig_post * (1 - sig_post)
-    dp = kernels._sinkhorn_triton_backward(p + ctx.eps_hc, dcomb.contiguous(), ctx.iters, ctx.eps_hc)
+    dp = _sinkhorn_triton_backward(p + ctx.eps_hc, dcomb.contiguous(), ctx.iters, ctx.eps_hc)
     du = torch.cat([du_pre, du_post, (p * (dp - (dp * p).sum(-1, keepdim=True))).flatten(1)], 1)
     dscale = torch.stack([(du * a)[:, :n].sum(), (du * a)[:, n:2 * n].sum(), (du * a)[:, 2 * n:].sum()])
     pre = sig_pre + ctx.eps_hc
@@ -289,16 +290,9 @@ def hc_pre_fused(block, x, fn, scale, base):
 
 
 if __name__ == "__main__":
-    args = m.ModelArgs(hidden_size=1536, hc_mult=4)
-    block = m.Block.__new__(m.Block)  # only the mHC parameters and methods are used
-    torch.nn.Module.__init__(block)
-    block.args, block.fast, n, D = args, True, args.hc_mult, args.hidden_size
-    g = torch.Generator(device=DEV).manual_seed(1)
-    fn = (torch.randn((2 + n) * n, n * D, device=DEV, generator=g) * 0.02).requires_grad_()
-    scale = torch.tensor([0.5, 0.5, 1.0], device=DEV, requires_grad=True)
-    base = (torch.randn((2 + n) * n, device=DEV, generator=g) * 0.1).requires_grad_()
-    x = torch.randn(1, T, n, D, device=DEV, generator=g).bfloat16().requires_grad_()
-    dy = torch.randn(1, T, n, D, device=DEV, generator=g).bfloat16()
+    block, fn, scale, base, x, dy, g = mhc_inputs(T)
+    block.fast, args = True, block.args
+    n, D = args.hc_mult, args.hidden_size
     print(f"{torch.cuda.get_device_name() if CUDA else 'cpu'}, torch {torch.__version__}, triton {triton.__version__},"
           f" {T} tokens")
     with torch.no_grad():

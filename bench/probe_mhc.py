@@ -2,7 +2,7 @@
 each compiled alone, with its first call (a cold cache compiles), its kernels per call and their time (from the
 profiler), and its time per call replayed as one CUDA graph (as in `--compile=graphs`, without launch costs):
   - Sinkhorn with autograd (the training step): the batched loop (model_dsv4.sinkhorn) against the same loop with
-    its backward written out, the Triton kernels (kernels.sinkhorn_triton) and each token's n x n entries as one
+    its backward written out, the Triton kernels (kernels_triton.sinkhorn_triton) and each token's n x n entries as one
     row of n * n, summed under masks (below);
   - Sinkhorn without autograd (the engine's decode): one tensor per entry (model_dsv4.sinkhorn_entries) against the
     Triton kernel and the masked form;
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model_dsv4 as m  # noqa: E402
-from kernels import sinkhorn_triton  # noqa: E402
+from kernels_triton import sinkhorn_triton  # noqa: E402
 
 BACKEND = os.environ.get("PROBE_BACKEND", "inductor")
 CUDA = torch.cuda.is_available()
@@ -170,17 +170,24 @@ def sinkhorns():
             measure(f"Sinkhorn forward, no grad, {name}", lambda: f(logits))
 
 
-def sublayers():
+def mhc_inputs(tokens=T):
+    """A Block holding only what hc_pre and hc_post use (bench_2b's width, n = 4), its parameters fn, scale and base,
+    bf16 streams x [1, tokens, n, D] and a gradient dy for them, and the generator that made them."""
     args = m.ModelArgs(hidden_size=1536, hc_mult=4)
-    block = m.Block.__new__(m.Block)  # only the mHC parameters and methods are used
+    block = m.Block.__new__(m.Block)
     torch.nn.Module.__init__(block)
     block.args, n, D = args, args.hc_mult, args.hidden_size
     g = torch.Generator(device=DEV).manual_seed(1)
     fn = (torch.randn((2 + n) * n, n * D, device=DEV, generator=g) * 0.02).requires_grad_()
     scale = torch.tensor([0.5, 0.5, 1.0], device=DEV, requires_grad=True)
     base = (torch.randn((2 + n) * n, device=DEV, generator=g) * 0.1).requires_grad_()
-    x = torch.randn(1, T, n, D, device=DEV, generator=g).bfloat16().requires_grad_()
-    dy = torch.randn(1, T, n, D, device=DEV, generator=g).bfloat16()
+    x = torch.randn(1, tokens, n, D, device=DEV, generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(1, tokens, n, D, device=DEV, generator=g).bfloat16()
+    return block, fn, scale, base, x, dy, g
+
+
+def sublayers():
+    block, fn, scale, base, x, dy, _ = mhc_inputs()
 
     def sublayer(x, fn, scale, base):
         h, post, comb = block.hc_pre(x, fn, scale, base)

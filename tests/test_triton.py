@@ -1,5 +1,5 @@
-"""kernels.sinkhorn_triton (mHC's Sinkhorn loop as one Triton kernel forward and one backward) against the loop it
-replaces, model_dsv4.sinkhorn: values and gradients, eager and under torch.compile. Without a GPU, kernels.py runs
+"""kernels_triton.sinkhorn_triton (mHC's Sinkhorn loop as one Triton kernel forward and one backward) against the loop it
+replaces, model_dsv4.sinkhorn: values and gradients, eager and under torch.compile. Without a GPU, kernels_triton.py runs
 Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kernels import sinkhorn_triton  # before triton: without a GPU, kernels.py turns on Triton's interpreter first
+from kernels_triton import sinkhorn_triton  # before triton: without a GPU it turns on Triton's interpreter first
 from model_dsv4 import sinkhorn
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
@@ -68,15 +68,15 @@ def test_sinkhorn_kernels_compile_for_h200_and_mi355x():
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     _launch calls them (4 x 4 matrices, 20 iterations). In a subprocess: this process's kernels are interpreted."""
     code = """
-import kernels, triton
+import kernels_triton, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "gfx950", 64), "hsaco")):
-    for fn in (kernels._sinkhorn_fwd, kernels._sinkhorn_bwd):
+    for fn in (kernels_triton._sinkhorn_fwd, kernels_triton._sinkhorn_bwd):
         ptrs = [a for a in fn.arg_names if a.endswith("_ptr")]
         sig = {**{a: "*fp32" for a in ptrs}, "n_tok": "i32", "eps": "fp32",
                **{a: "constexpr" for a in ("STEPS", "N", "NP", "BLOCK")}}
-        src = ASTSource(fn, sig, constexprs={"STEPS": 39, "N": 4, "NP": 4, "BLOCK": kernels.BLOCK})
+        src = ASTSource(fn, sig, constexprs={"STEPS": 39, "N": 4, "NP": 4, "BLOCK": kernels_triton.BLOCK})
         assert binary in triton.compile(src, target=target, options={"num_warps": 1}).asm, (target, fn)
         print(target.arch, fn.__name__, "compiled")
 """
