@@ -56,18 +56,22 @@ def sync(device):
 
 
 def time_train(model, ids, logits_of, loss_of, steps, warmup, device):
-    """Seconds per forward+backward of a next-token loss, median over steps."""
-    times = []
+    """(seconds per forward+backward of a next-token loss, seconds the host took to issue it), medians over steps.
+    When the two are close the host bounds the step (it launches kernels or graphs slower than the device runs
+    them), and the device waits between kernels."""
+    times, issue = [], []
     for i in range(warmup + steps):
         sync(device)
         t0 = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()  # a new step for compile's CUDA graphs (mode="reduce-overhead")
         loss_of(logits_of(model, ids), ids).backward()
         model.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+            issue.append(t1 - t0)
+    return sorted(times)[len(times) // 2], sorted(issue)[len(issue) // 2]
 
 
 def train_flops(model, args, seq):
@@ -113,7 +117,8 @@ def print_profile(prof, device, wall, per=1):
 def print_gaps(prof, top=12):
     """Where the device waited between kernels (the host behind, or a host sync): the idle time from the first
     kernel to the last, and the longest waits with the kernels before and after them."""
-    ks = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+    ks = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                 and not e.name.startswith("## ")),  # not compile's annotations, which span a graph's kernels
                 key=lambda e: e.time_range.start)
     gaps, end = [], ks[0].time_range.end
     for a, b in zip(ks, ks[1:]):
@@ -406,14 +411,16 @@ if __name__ == "__main__":
     for name, model, fn, loss_of in (("nano-dsv4-rl", ours, lambda m, x: m(x), ours_loss),
                                      ("transformers", ref, lambda m, x: m(x).logits, ref_loss)):
         with amp if name == "transformers" else contextlib.nullcontext():
-            results[name] = t = time_train(model, ids, fn, loss_of, cli.steps, cli.warmup, device)
-        print(f"  {name:14s} {n_tok / t:10.0f} tokens/s   ({t * 1e3:.0f} ms/step)   MFU {flops / t / peak:.1%}", flush=True)
+            t, host = time_train(model, ids, fn, loss_of, cli.steps, cli.warmup, device)
+        results[name] = t
+        print(f"  {name:14s} {n_tok / t:10.0f} tokens/s   ({t * 1e3:.0f} ms/step)   MFU {flops / t / peak:.1%}   "
+              f"(host issued it in {host * 1e3:.0f} ms)", flush=True)
     print(f"  ratio ours / transformers: {results['transformers'] / results['nano-dsv4-rl']:.2f}x")
     if cli.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=acts, record_shapes=bool(cli.trace), with_stack=bool(cli.trace)) as prof:
-            wall = time_train(ours, ids, lambda m, x: m(x), ours_loss, 1, 0, device)
+            wall = time_train(ours, ids, lambda m, x: m(x), ours_loss, 1, 0, device)[0]
         print_profile(prof, device, wall)
         if cli.trace:
             prof.export_chrome_trace(cli.trace)

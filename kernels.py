@@ -134,38 +134,60 @@ def hc_mixes_bf16(x, fn, eps):
 def stack_experts_(experts):
     """Move the local experts' weights into two stacked tensors and make each expert's parameters views of them,
     so grouped_experts reads them in place instead of stacking them on every forward (Transformer.stack_experts).
-    Weight loads and optimizer steps write through the views. Returns (w13 [e, 2I, D], w2 [e, D, I])."""
+    Weight loads and optimizer steps write through the views. Returns (w13 [e, 2I, D], w2 [e, D, I]).
+    When the parameters train, the stacks are the autograd leaves: a backward accumulates one gradient per stack,
+    and each parameter's .grad is its view of it (_hand_out_grads). Two leaves where the per-expert parameters made
+    3 x e of them: bench_2b's 192 per layer, each a view the compiled backward returned and an AccumulateGrad the
+    autograd engine ran on the host (~1 ms of host time per layer and step, RESULTS.md session 15)."""
     I = experts[0].w1.weight.shape[0]
     with torch.no_grad():
         w13, w2 = stack(experts)
     for i, e in enumerate(experts):
         e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = w13[i, :I], w13[i, I:], w2[i]
+    if experts[0].w1.weight.requires_grad:
+        for s, views in ((w13, lambda g: [v for i in range(len(experts)) for v in (g[i, :I], g[i, I:])]),
+                         (w2, lambda g: list(g))):
+            params = [w for e in experts for w in ((e.w1.weight, e.w3.weight) if s is w13 else (e.w2.weight,))]
+            s.requires_grad_()
+            s.register_hook(functools.partial(_stale_grad, s, params))
+            s.register_post_accumulate_grad_hook(functools.partial(_hand_out_grads, params, views))
     return w13, w2
 
 
+def _owns(stack, params):
+    """Whether the parameters' gradients are (still) views of the stack's: the first and last stand for all. The
+    parameters are looked at first: after a zero_grad(set_to_none=True) under compile's CUDA graphs the stack's
+    gradient is a graph output that the next step's replay overwrote, which must not be read."""
+    g, first, last = stack.grad, params[0].grad, params[-1].grad
+    return (g is not None and first is not None and last is not None and first.data_ptr() == g.data_ptr()
+            and last.data_ptr() == g.data_ptr() + (g.numel() - last.numel()) * g.element_size())
+
+
+def _stale_grad(stack, params, grad):
+    """Before a backward adds into a stack's gradient: if the parameters' gradients are no longer its views, start
+    it again from them: None when all are (a zero_grad(set_to_none=True) since), else their stack (gradients set by
+    hand, or copied with the model), so the backward adds to what each parameter held, as for any parameter."""
+    if not _owns(stack, params):
+        grads = [p.grad for p in params]
+        stack.grad = None if all(g is None for g in grads) else torch.stack(
+            [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]).view_as(stack)
+
+
+def _hand_out_grads(params, views, stack):
+    """After a backward added into a stack's gradient: each parameter's .grad its view of it."""
+    if not _owns(stack, params):
+        for p, g in zip(params, views(stack.grad)):
+            p.grad = g
+
+
 def is_stacked(experts, stacked):
-    """Whether the experts' parameters are (still) the views stack_experts_ made of `stacked`. The first and last
-    expert stand for all: what breaks the views (a deepcopy, a dtype or device cast) replaces every parameter, and
-    this runs per MoE call of an eager decode, so it stays cheap."""
+    """Whether the experts' parameters are (still) the views stack_experts_ made of `stacked`, with the stacks
+    training as they do. The first and last expert stand for all: what breaks the views (a deepcopy, a dtype or
+    device cast) replaces every parameter, and this runs per MoE call of an eager decode, so it stays cheap."""
     I, i = experts[0].w1.weight.shape[0], len(experts) - 1
-    return stacked is not None and all(
+    return stacked is not None and stacked[0].requires_grad == experts[0].w1.weight.requires_grad and all(
         e.w1.weight.data_ptr() == stacked[0][j].data_ptr() and e.w3.weight.data_ptr() == stacked[0][j, I:].data_ptr()
         and e.w2.weight.data_ptr() == stacked[1][j].data_ptr() for j, e in ((0, experts[0]), (i, experts[i])))
-
-
-class _StackedExperts(torch.autograd.Function):
-    """The stacks of stack_experts_ as a function of the experts' parameters, which are views of them: the forward
-    passes the stacks on as they are, the backward hands each parameter its slice of their gradient (views too).
-    No copy either way, where torch.stack copies every expert's weights on every forward (bench_2b on an H200:
-    0.35 ms per layer, 4.5% of a training step)."""
-    @staticmethod
-    def forward(ctx, w13, w2, *params):  # params: w1, w3, w2 of each expert in turn
-        return w13.view_as(w13), w2.view_as(w2)
-
-    @staticmethod
-    def backward(ctx, g13, g2):
-        I = g13.shape[1] // 2
-        return None, None, *[g for i in range(len(g2)) for g in (g13[i, :I], g13[i, I:], g2[i])]
 
 
 def grouped_experts(experts, xs, ws, counts, limit, stacked=None):
@@ -176,8 +198,6 @@ def grouped_experts(experts, xs, ws, counts, limit, stacked=None):
     # under torch.compile the caller vouches for `stacked` (Transformer.stack_experts checks it before each forward)
     if stacked is None or not (torch.compiler.is_compiling() or is_stacked(experts, stacked)):
         stacked = stack(experts)
-    elif torch.is_grad_enabled():
-        stacked = _StackedExperts.apply(*stacked, *[w for e in experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)])
     w13, w2 = stacked
     offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
     g, u = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
@@ -238,14 +258,13 @@ def use_compile(mode):
 
 def compile_layers(backend="inductor", graphs=False):
     """`compile='layers'`: torch.compile a whole layer at a time, where the step is bound by launching small
-    kernels. Block.forward (the trainer's layers and MTP), the GRPO losses (grpo.grpo_loss,
-    grpo.token_logprobs: 9.2 -> 5.5 ms forward+backward over bench_2b's 4096 x 129280 logits on an H200,
-    bench/probe_loss.py), Engine._decode_layer (one decode step of a layer) and the engine's sampler
-    (engine.sample_tokens) are swapped for compiled versions; layers of one kind (window /
-    CSA / HCA, hash or learned router) share one compiled graph, since a module's parameters are inputs of the
-    graph, not constants. The engine's prefill stays eager (one call per admitted batch). The first call of each
-    kind compiles, minutes for bench_2b on an H200 machine; a new shape recompiles once, then runs with dynamic
-    shapes. (The CPU tests pass backend="aot_eager": the same graphs without code generation.)
+    kernels. Block.forward (the trainer's layers and MTP), the GRPO losses (grpo.grpo_loss, grpo.token_logprobs:
+    9.2 -> 5.5 ms forward+backward over bench_2b's 4096 x 129280 logits on an H200, bench/probe_loss.py),
+    Engine._decode_layer (one decode step of a layer) and the engine's sampler
+    (engine.sample_tokens) are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or learned
+    router) share one compiled graph, since a module's parameters are inputs of the graph, not constants. The
+    engine's prefill stays eager (one call per admitted batch). The first call of each kind
+    compiles, minutes for bench_2b on an H200 machine; a new shape recompiles once, then runs with dynamic shapes. (The CPU tests pass backend="aot_eager": the same graphs without code generation.)
 
     graphs=True (bench.py --compile=graphs) adds mode="reduce-overhead" to Block.forward: inductor records each
     layer's forward and backward as CUDA graphs and replays them, so the CPU no longer launches every kernel (bench_2b's

@@ -17,7 +17,9 @@ alone (also at a decode step's 64 tokens) and a sublayer's forward+backward (hc_
 compiled: the model's code, the fused forward, the fused forward with the dx kernel, and that with hc_post's one-pass
 backward.
 (On a CPU: Triton's interpreter, PROBE_TOKENS=32, the checks only.)
-Written in session 14 without a GPU; not yet run on one. On the dev CPU (Triton 3.9.0's interpreter) post and comb
+Written in session 14 without a GPU. Run on the H200 in session 15 (bench/RESULTS.md): each kernel 3-10x slower than
+the inductor code it would replace (the forward 250 us against 56, at 64 tokens 166 against 16; the dx kernel 205
+against 71; hc_post's backward 245 against 57 + 28), so none went into the model. On the dev CPU (Triton 3.9.0's interpreter) post and comb
 match Block.hc_pre to 2.6e-7 and 4.8e-7 of their largest values; h is within 7.6e-3 of the fp32 sum's scale where
 the model's h is within 3.9e-3 (one bf16 rounding), because the interpreter cuts fp32 to bf16 instead of rounding
 (a kernel that only converts shows 7.5e-3). Given the same gradients of (h, post, comb), dfn, dscale and dbase

@@ -216,7 +216,9 @@ def test_engine_cuda_graphs_equal_eager_and_forward():
 def test_stacked_experts_train_in_place():
     """Training with the experts' weights stacked (Transformer.stack_experts, the parameters views of the stacks):
     the optimizer's steps write through the views, so the stacks stay the parameters' storage, and after two steps
-    the model equals the reference one (per-expert loop) trained alike; a dtype cast re-stacks on the next forward."""
+    of two micro-batches each (the gradients add up, then zero_grad sets them to None) the model equals the
+    reference one (per-expert loop) trained alike. Each expert's gradient is its view of its stack's gradient. A
+    dtype cast re-stacks on the next forward."""
     from kernels import is_stacked
     ref = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
                      SMALL.num_experts_per_tok, seed=3)
@@ -226,10 +228,13 @@ def test_stacked_experts_train_in_place():
     for step in range(2):
         ids = torch.randint(0, SMALL.vocab_size, (2, 64), generator=g)
         for m, opt in zip((fast, ref), opts):
-            m(ids).log_softmax(-1)[..., 3].mean().backward()
+            for half in ids.chunk(2):
+                m(half).log_softmax(-1)[..., 3].mean().backward()
+            if m is fast:
+                moe = fast.layers["0"].ffn
+                assert moe.experts["7"].w2.weight.grad.data_ptr() == moe.stacked[1].grad[7].data_ptr()
             opt.step()
             opt.zero_grad()
-        moe = fast.layers["0"].ffn
         assert is_stacked(list(moe.experts.values()), moe.stacked), step
     for (n, a), b in zip(fast.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
@@ -237,6 +242,23 @@ def test_stacked_experts_train_in_place():
     fast.set_dtype(torch.bfloat16)(ids)
     assert is_stacked(list(moe.experts.values()), moe.stacked) and moe.stacked[0].dtype == torch.bfloat16
     assert old[0].dtype == torch.float32
+
+
+def test_stacked_expert_grads_add_to_what_parameters_hold():
+    """A backward adds to the gradients the experts' parameters hold, also ones that are not views of the stacks'
+    gradients (set by hand), as for any parameter: the same backward run twice doubles every gradient."""
+    model = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
+                       SMALL.num_experts_per_tok, seed=9).set_kernels(True)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 48), generator=torch.Generator().manual_seed(10))
+    model(ids).log_softmax(-1)[..., 3].mean().backward()
+    want = {n: 2 * p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert sum(".experts." in n for n in want) == 3 * SMALL.n_routed_experts * SMALL.num_hidden_layers
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad = p.grad.clone()  # no longer the stacks' views
+    model(ids).log_softmax(-1)[..., 3].mean().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want.get(n), rtol=1e-5, atol=1e-7, msg=n)
 
 
 def test_engine_stacked_experts_follow_weight_loads():
