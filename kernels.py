@@ -258,12 +258,12 @@ def use_compile(mode):
 
 def compile_layers(backend="inductor", graphs=False):
     """`compile='layers'`: torch.compile a whole layer at a time, where the step is bound by launching small
-    kernels. Block.forward (the trainer's layers and MTP), the GRPO losses (grpo.grpo_loss, grpo.token_logprobs:
-    9.2 -> 5.5 ms forward+backward over bench_2b's 4096 x 129280 logits on an H200, bench/probe_loss.py),
-    Engine._decode_layer (one decode step of a layer) and the engine's sampler
+    kernels. Block.forward (the trainer's layers and MTP), the head (Transformer.logits), the GRPO losses
+    (grpo.grpo_loss, grpo.token_logprobs: 9.2 -> 5.5 ms forward+backward over bench_2b's 4096 x 129280 logits on an
+    H200, bench/probe_loss.py), Engine._decode_layer (one decode step of a layer) and the engine's sampler
     (engine.sample_tokens) are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or learned
     router) share one compiled graph, since a module's parameters are inputs of the graph, not constants. The
-    engine's prefill stays eager (one call per admitted batch). The first call of each kind
+    engine's prefill stays eager but for the head (one call per admitted batch). The first call of each kind
     compiles, minutes for bench_2b on an H200 machine; a new shape recompiles once, then runs with dynamic shapes. (The CPU tests pass backend="aot_eager": the same graphs without code generation.)
 
     graphs=True (bench.py --compile=graphs) adds mode="reduce-overhead" to Block.forward: inductor records each
@@ -279,6 +279,9 @@ def compile_layers(backend="inductor", graphs=False):
     import model_dsv4 as m
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
     m.Block.forward = torch.compile(m.Block.forward, backend=backend, mode="reduce-overhead" if graphs else None)
+    # the head: hc_head's collapse of the streams, the final norm and the head's GEMM, which ran eager: ~90 kernels
+    # forward and backward, ~2.5 ms of bench_2b's 70 ms training step (session 15's trace)
+    m.Transformer.logits = torch.compile(m.Transformer.logits, backend=backend)
     # the losses over the vocabulary: log-softmax, gather and entropy fused into a pass or two over the fp32 logits,
     # where eager writes the [tokens, vocab] log-probabilities, then their gradient and a zero-filled one for the gather
     grpo.grpo_loss, grpo.token_logprobs = (torch.compile(f, backend=backend) for f in (grpo.grpo_loss, grpo.token_logprobs))

@@ -26,14 +26,16 @@ def compile_layers():
     import grpo
     import kernels
     import model_dsv4
-    saved = model_dsv4.Block.forward, engine.Engine._decode_layer, engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs
+    saved = (model_dsv4.Block.forward, model_dsv4.Transformer.logits, engine.Engine._decode_layer, engine.sample_tokens,
+             grpo.grpo_loss, grpo.token_logprobs)
 
     def on(graphs=False):
         torch._dynamo.reset()
         kernels.compile_layers(backend="inductor" if CUDA else "aot_eager", graphs=graphs)
         return torch._dynamo.utils.counters
     yield on
-    model_dsv4.Block.forward, engine.Engine._decode_layer, engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs = saved
+    (model_dsv4.Block.forward, model_dsv4.Transformer.logits, engine.Engine._decode_layer, engine.sample_tokens,
+     grpo.grpo_loss, grpo.token_logprobs) = saved
     torch._dynamo.reset()
 
 
