@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_dsv4 import rope_cos_sin, sink_attention
+from model_dsv4 import rope_cos_sin, sink_attention, top_k_mask
 
 GREEDY_T = 1e-6  # SGLang treats temperature below this as greedy
 
@@ -470,8 +470,7 @@ class Engine:
                 self._compressor_step(attn.indexer.compressor, h, c, "idx", slots, pos)
                 score = attn.indexer.scores(h, qr, c["idx"][slots, :S], cos, sin)[:, 0]  # [B, S]
                 score = score.masked_fill(~visible, float("-inf"))
-                idx = score.sort(dim=-1, descending=True, stable=True).indices[:, :attn.indexer.topk]
-                visible = visible & torch.zeros_like(visible).scatter_(-1, idx, True)
+                visible = visible & top_k_mask(score, attn.indexer.topk)
             keys = torch.cat([keys, c["comp"][slots, :S]], dim=1)
             mask = torch.cat([mask, visible[:, None]], dim=-1)
         o = sink_attention(q, keys, mask, attn.attn_sink, attn.softmax_scale)

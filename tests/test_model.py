@@ -134,3 +134,18 @@ def test_bf16_mode():
     assert out.dtype == torch.float32
     target = lambda lp: lp[:, :-1].gather(-1, ids[:, 1:, None])
     assert (target(out.log_softmax(-1)) - target(ref)).abs().mean().item() < 0.02
+
+
+def test_top_k_mask_is_a_stable_sorts_first_k():
+    """model_dsv4.top_k_mask (the CSA indexer's pick) against the first k of a stable descending sort, exactly:
+    scores with many ties (few distinct values, the ReLU's zeros) and masked -inf entries, rows shorter and longer
+    than k."""
+    from model_dsv4 import top_k_mask
+    g = torch.Generator().manual_seed(0)
+    for S in (5, 40, 300):
+        score = (torch.randint(-3, 6, (3, 7, S), generator=g).float() / 2).relu()
+        score = score.masked_fill(torch.rand(3, 7, S, generator=g) < 0.3, float("-inf"))
+        for k in (1, 4, S - 1, S, S + 3, 512):
+            idx = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+            want = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True)
+            assert torch.equal(top_k_mask(score, k), want), (S, k)
