@@ -629,9 +629,9 @@ def hc_mixes(x, fn, norm_eps, fast=False):
     return F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
 
 
-def hc_head(x, fn, scale, base, args):
+def hc_head(x, fn, scale, base, args, fast=False):
     """Final collapse of the n streams into one: sigmoid weights, no Sinkhorn. x: [B, T, n, D] -> [B, T, D]"""
-    pre = torch.sigmoid(hc_mixes(x, fn, args.rms_norm_eps) * scale.float() + base.float()) + args.hc_eps
+    pre = torch.sigmoid(hc_mixes(x, fn, args.rms_norm_eps, fast) * scale.float() + base.float()) + args.hc_eps
     return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)
 
 
@@ -692,7 +692,7 @@ class MTPBlock(Block):
         # x: [B, T, n, D] trunk streams, e: [B, T, D] embeddings of the next tokens, ids: those tokens
         x = self.e_proj(self.enorm(e)).unsqueeze(2) + self.h_proj(self.hnorm(x))
         x = super().forward(x, ids)
-        return self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.args))
+        return self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.args, self.fast))
 
 
 # -----------------------------------------------------------------------------
@@ -705,6 +705,8 @@ class Transformer(nn.Module):
     """The whole model, or (built by parallel.py) one pipeline stage of it: `layers` is a dict keyed by the
     global layer index, so a stage keeps the official names; a stage's missing ends are None."""
     invariant = False  # path-invariant numerics: set_invariant
+    fast = False  # the head's mHC mixes on tensor cores, as the blocks' (set_kernels)
+
     def __init__(self, args: ModelArgs, dtype=torch.bfloat16, ep_group=None):
         super().__init__()
         self.args = args
@@ -758,7 +760,7 @@ class Transformer(nn.Module):
     def set_kernels(self, fast=True):
         """kernels.py's block-wise window attention, grouped GEMM experts, bf16 mHC mixes and Triton Sinkhorn (on) or
         the plain reference (off)."""
-        for m in (m for m in self.modules() if isinstance(m, (Attention, MoE, Block))):
+        for m in (m for m in self.modules() if isinstance(m, (Attention, MoE, Block, Transformer))):
             m.fast = fast
         return self
 
@@ -797,7 +799,7 @@ class Transformer(nn.Module):
 
     def logits(self, x):
         # [B, T, n, D] -> fp32 [B, T, vocab]; the final norm comes after the stream collapse
-        h = self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.args))
+        h = self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.args, self.fast))
         return linear_f32(h, self.head.weight)
 
     def forward(self, input_ids, mtp=False):
