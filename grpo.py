@@ -48,14 +48,17 @@ def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", dev
 class _TargetLogprob(torch.autograd.Function):
     """log_softmax(z)[t] of fp32 logits z [..., V] and targets t [...] -> [...], with the backward written out: the
     gradient over the vocabulary is g * ([j = t] - softmax(z)_j), one pass over the logits with each row's
-    log-sum-exp saved from the forward. Autograd's own backward (gather's, a zero-filled [..., V] with g scattered
+    log-sum-exp kept from the forward. Autograd's own backward (gather's, a zero-filled [..., V] with g scattered
     in, then log_softmax's, a row sum and a pass) reads and writes the [tokens, vocab] tensors three times; compiled,
-    this one is a single kernel (bench_2b's 4096 x 129280 fp32 logits: 2.1 GB)."""
+    this one is a single kernel (bench_2b's 4096 x 129280 fp32 logits: 2.1 GB). The forward is log_softmax and
+    gather as before, so the values round as the engine's do (bit-equal under set_invariant); the log-sum-exp comes
+    back from them as z[t] - logprob."""
     @staticmethod
     def forward(ctx, logits, tgt):
-        lse = logits.logsumexp(-1, keepdim=True)
-        ctx.save_for_backward(logits, tgt, lse)
-        return logits.gather(-1, tgt[..., None])[..., 0] - lse[..., 0]
+        z_t = logits.gather(-1, tgt[..., None])
+        lp = logits.log_softmax(-1).gather(-1, tgt[..., None])
+        ctx.save_for_backward(logits, tgt, z_t - lp)
+        return lp[..., 0]
 
     @staticmethod
     def backward(ctx, g):
