@@ -144,13 +144,12 @@ def stack_experts_(experts):
         w13, w2 = stack(experts)
     for i, e in enumerate(experts):
         e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = w13[i, :I], w13[i, I:], w2[i]
-    if experts[0].w1.weight.requires_grad:
-        for s, views in ((w13, lambda g: [v for i in range(len(experts)) for v in (g[i, :I], g[i, I:])]),
-                         (w2, lambda g: list(g))):
-            params = [w for e in experts for w in ((e.w1.weight, e.w3.weight) if s is w13 else (e.w2.weight,))]
+    if experts[0].w1.weight.requires_grad:  # each stack is its parameters in turn: w1, w3, w1, ... and w2, w2, ...
+        for s, params in ((w13, [w for e in experts for w in (e.w1.weight, e.w3.weight)]),
+                          (w2, [e.w2.weight for e in experts])):
             s.requires_grad_()
             s.register_hook(functools.partial(_stale_grad, s, params))
-            s.register_post_accumulate_grad_hook(functools.partial(_hand_out_grads, params, views))
+            s.register_post_accumulate_grad_hook(functools.partial(_hand_out_grads, params))
     return w13, w2
 
 
@@ -166,17 +165,17 @@ def _owns(stack, params):
 def _stale_grad(stack, params, grad):
     """Before a backward adds into a stack's gradient: if the parameters' gradients are no longer its views, start
     it again from them: None when all are (a zero_grad(set_to_none=True) since), else their stack (gradients set by
-    hand, or copied with the model), so the backward adds to what each parameter held, as for any parameter."""
+    hand), so the backward adds to what each parameter held, as for any parameter."""
     if not _owns(stack, params):
         grads = [p.grad for p in params]
         stack.grad = None if all(g is None for g in grads) else torch.stack(
             [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]).view_as(stack)
 
 
-def _hand_out_grads(params, views, stack):
+def _hand_out_grads(params, stack):
     """After a backward added into a stack's gradient: each parameter's .grad its view of it."""
     if not _owns(stack, params):
-        for p, g in zip(params, views(stack.grad)):
+        for p, g in zip(params, stack.grad.view(len(params), *params[0].shape).unbind()):
             p.grad = g
 
 
@@ -264,7 +263,8 @@ def compile_layers(backend="inductor", graphs=False):
     (engine.sample_tokens) are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or learned
     router) share one compiled graph, since a module's parameters are inputs of the graph, not constants. The
     engine's prefill stays eager but for the head (one call per admitted batch). The first call of each kind
-    compiles, minutes for bench_2b on an H200 machine; a new shape recompiles once, then runs with dynamic shapes. (The CPU tests pass backend="aot_eager": the same graphs without code generation.)
+    compiles, minutes for bench_2b on an H200 machine; a new shape recompiles once, then runs with dynamic shapes.
+    (The CPU tests pass backend="aot_eager": the same graphs without code generation.)
 
     graphs=True (bench.py --compile=graphs) adds mode="reduce-overhead" to Block.forward: inductor records each
     layer's forward and backward as CUDA graphs and replays them, so the CPU no longer launches every kernel (bench_2b's
@@ -283,7 +283,7 @@ def compile_layers(backend="inductor", graphs=False):
     # forward and backward, ~2.5 ms of bench_2b's 70 ms training step (session 15's trace)
     m.Transformer.logits = torch.compile(m.Transformer.logits, backend=backend)
     # the losses over the vocabulary: log-softmax, gather and entropy fused into a pass or two over the fp32 logits,
-    # where eager writes the [tokens, vocab] log-probabilities, then their gradient and a zero-filled one for the gather
+    # where eager writes the [tokens, vocab] log-probabilities; the backward (grpo._TargetLogprob) one pass
     grpo.grpo_loss, grpo.token_logprobs = (torch.compile(f, backend=backend) for f in (grpo.grpo_loss, grpo.token_logprobs))
     engine.Engine._decode_layer = torch.compile(engine.Engine._decode_layer, backend=backend)
     engine.sample_tokens = torch.compile(engine.sample_tokens, backend=backend)  # the Gumbel noise: one kernel
