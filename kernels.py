@@ -138,7 +138,7 @@ def stack_experts_(experts):
     When the parameters train, the stacks are the autograd leaves: a backward accumulates one gradient per stack,
     and each parameter's .grad is its view of it (_hand_out_grads). Two leaves where the per-expert parameters made
     3 x e of them: bench_2b's 192 per layer, each a view the compiled backward returned and an AccumulateGrad the
-    autograd engine ran on the host (~1 ms of host time per layer and step, RESULTS.md session 15)."""
+    autograd engine ran on the host (the H200 host issued bench_2b's step in 71 ms, now 49: RESULTS.md session 15)."""
     I = experts[0].w1.weight.shape[0]
     with torch.no_grad():
         w13, w2 = stack(experts)
