@@ -23,6 +23,8 @@ the bucket's bytes, laid out in the order of `names`, tensor_payload.layout).
 The request checks (BadRequest, check, fail, is_int) live here too, at the bottom of the imports: server.py uses
 them for every endpoint.
 """
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -252,15 +254,20 @@ class Weights:
               "serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
         check(fmt in (None, "direct", "flattened_bucket"), f"load_format must be null, 'direct' or 'flattened_bucket', "
               f"got {fmt!r}: custom loaders are not implemented")
+        t0 = time.perf_counter()
         try:
             named = read_payload(entries[0], flattened=fmt == "flattened_bucket")  # TP rank 0's: the only rank we have
         except ValueError as e:
             fail(f"update_weights_from_tensor: {e}")
+        t_read = time.perf_counter() - t0
         try:
-            return self.update_from("update_weights_from_tensor", named, body)
+            out = self.update_from("update_weights_from_tensor", named, body)
         finally:
             if self.engine.device.type == "cuda":
                 torch.cuda.synchronize(self.engine.device)
+        out["message"] += f" (payload opened in {t_read * 1e3:.1f} ms, loaded in " \
+                          f"{(time.perf_counter() - t0 - t_read) * 1e3:.1f} ms)"
+        return out
 
     def destroy_weights_update_group(self, body, handler):
         name = group_name(body)
