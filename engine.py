@@ -201,8 +201,9 @@ class Engine:
             raise ValueError("cannot load weights: " + "; ".join(bad))
         with self.lock:
             self._drain()
-            for k, v in named_tensors.items():
-                sd[k].copy_(v.to(sd[k].device, sd[k].dtype))
+            dst = [sd[k] for k in named_tensors]  # one multi-tensor copy: a bucket names a few hundred tensors
+            if dst:
+                torch._foreach_copy_(dst, [v.to(d.device, d.dtype) for d, v in zip(dst, named_tensors.values())])
 
     def generate(self, prompts, params):
         """Offline use (tests, benchmarks): run the loop in this thread until every prompt is done."""

@@ -196,11 +196,11 @@ def teardown(grid, client, urls=(), timeout=30):
     GROUP.clear()
 
 
-def stage_buckets(model, grid, quant, limit):
-    """This stage's tensors in send order, as (name, owner EP rank, shape, dtype): the sender's own (dense and its
-    experts), then each other EP rank's experts; cut into buckets of at most `limit` bytes on the wire (quantized),
-    a bigger tensor alone. Every rank of the stage's first EP group gets the same buckets."""
-    mine = [(k, grid.ep_rank, tuple(v.shape), v.dtype) for k, v in model.state_dict().items()
+def stage_buckets(sd, grid, quant, limit):
+    """This stage's tensors (its state_dict sd) in send order, as (name, owner EP rank, shape, dtype): the sender's
+    own (dense and its experts), then each other EP rank's experts; cut into buckets of at most `limit` bytes on the
+    wire (quantized), a bigger tensor alone. Every rank of the stage's first EP group gets the same buckets."""
+    mine = [(k, grid.ep_rank, tuple(v.shape), v.dtype) for k, v in sd.items()
             if grid.ep_rank == 0 or ".experts." in k]
     lists = [mine] if grid.ep_size == 1 else [None] * grid.ep_size
     if grid.ep_size > 1:
@@ -222,7 +222,7 @@ def send_stage(model, grid, quant, limit, push, stats, samples):
     takes part in the gathers (the other EP ranks are mid-loop) but sends nothing more. -> error or None."""
     sd, err, is_sender = model.state_dict(), None, grid.ep_rank == 0
     ep_ranks = dist.get_process_group_ranks(grid.ep_group) if grid.ep_size > 1 else [grid.rank]
-    buckets = stage_buckets(model, grid, quant, limit)
+    buckets = stage_buckets(sd, grid, quant, limit)  # one state_dict() a sync: it walks every module
     for i, bucket in enumerate(buckets):
         tensors, what = {}, f"bucket {i + 1}/{len(buckets)} of stage {grid.pp_rank} failed on:"
         for k, owner, shape, dtype in bucket:
@@ -243,7 +243,8 @@ def send_stage(model, grid, quant, limit, push, stats, samples):
         nbytes = sum(v.nbytes for v in sent.values())
         stats.update(names=stats["names"] + list(sent), bytes=stats["bytes"] + nbytes, buckets=stats["buckets"] + 1,
                      max_bucket_bytes=max(stats["max_bucket_bytes"], nbytes))
-        samples.update({n: v[:2].clone() for n, v in sent.items()})  # for verify: the first rows, as sent
+        if samples is not None:  # for verify: the first rows, as sent (a copy per tensor: only when asked)
+            samples.update({n: v[:2].clone() for n, v in sent.items()})
     return err
 
 
@@ -367,7 +368,7 @@ def sync(model, grid, client, args, path, mode="disk", version="1", quant="none"
     SyncError on every rank, naming the servers that failed (they join client.stale; see the module docstring)."""
     if mode not in ("disk", "distributed", "tensor"):
         raise ValueError(f"weight_sync '{mode}' is not available (have: disk, distributed, tensor)")
-    t0, samples = time.time(), {}
+    t0, samples = time.time(), {} if verify else None
     stats = {"mode": mode, "flatten": flatten, "names": [], "bytes": 0, "buckets": 0, "max_bucket_bytes": 0}
     up, token = agree(grid, ([u for u, ok in client.health().items() if ok] if grid.rank == 0 else None,
                              uuid.uuid4().hex[:8]), src=0)
