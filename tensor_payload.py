@@ -179,8 +179,8 @@ class FlatPickler(BytesPickler):
     """A flattened bucket's pickle: BytesPickler (the C pickler) at protocol 3, whose GLOBAL opcodes are plain text;
     CUDA tensors as ForkingPickler reduces them. BucketEntry goes out under its own name, which dumps_flat swaps for
     SGLang's: the C pickler would import sglang to name SGLang's class, and sglang need not be installed here. (The
-    pure-Python pickler that could name it took 12 ms for a bucket of 345 entries, a fifth of the tensor
-    transport's time on an H200 in session 16; this one 0.2 ms.)"""
+    pure-Python pickler, which could name it, took 12 ms for a bucket of 345 entries on the 2-core dev CPU, this one
+    1 ms; in session 16's H200 profile it was most of the trainer's side of the tensor transport.)"""
 
     def __init__(self, file, cuda):
         super().__init__(file, protocol=3)
