@@ -5,6 +5,7 @@ transformers' save_pretrained writes (its `model.` prefix and renames undone) an
 (e4m3 + .scale) and packed FP4 tensors to fp32. train_grpo.py's own checkpoints (optimizer, RNG, cursor) add
 their files beside these.
 """
+import functools
 import glob
 import json
 import os
@@ -47,6 +48,7 @@ HF_SAVED_NAMES = [(r"^embed_tokens\.weight$", "embed.weight"), (r"^lm_head\.weig
                   (r"^(layers\.\d+\.attn)\.norm\.weight$", r"\1.kv_norm.weight")]  # attn.kv_norm -> attn.norm
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a sync asks for every name again: four regexes each
 def canonical_name(name):
     """Official name for a checkpoint key: drop transformers' `model.` prefix and undo its renames."""
     name = name.removeprefix("model.")

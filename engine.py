@@ -130,6 +130,7 @@ class Engine:
         self.model, self.args = model.eval(), model.args
         self.device = next(model.parameters()).device
         self.max_batch, self.max_len = max_batch, max_len
+        self.module_of = dict(model.named_modules())  # for load_weights: the module tree is fixed once built
         # a scratch slot past max_batch: the padding rows of the CUDA graphs' batch buckets decode into it
         self.cache = KVCache(model, max_batch + 1, max_len, self.device)
         # batch bucket -> CUDA graph of _decode; graphs need its sync-free path: fast kernels (grouped GEMM
@@ -189,11 +190,8 @@ class Engine:
         looked up on its module (a weight sync's bucket names a few hundred of the model's thousands)."""
         def own(k):  # the parameter or buffer named k, or None
             module, _, attr = k.rpartition(".")
-            try:
-                m = self.model.get_submodule(module)
-            except AttributeError:
-                return None
-            return m._parameters.get(attr, m._buffers.get(attr))
+            m = self.module_of.get(module)
+            return None if m is None else m._parameters.get(attr, m._buffers.get(attr))
         sd = {k: own(k) for k in named_tensors}
         bad = [f"{k}: unknown" if sd[k] is None else f"{k}: shape {tuple(v.shape)} vs {tuple(sd[k].shape)}"
                for k, v in named_tensors.items() if sd[k] is None or tuple(v.shape) != tuple(sd[k].shape)]

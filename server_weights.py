@@ -110,7 +110,7 @@ class Weights:
         leaves the old weights. `every`: a whole checkpoint must cover the model."""
         expected = self.expected
         named = {canonical_name(k): v for k, v in named.items()}
-        unknown = sorted(set(named) - set(expected))
+        unknown = sorted(k for k in named if k not in expected)
         missing = sorted(set(expected) - set(named)) if every else []
         shapes = [f"{k}: {tuple(v.shape)} {str(v.dtype)[6:]} vs served {expected[k][0]} "
                   f"{str(expected[k][1] or 'any dtype')[6:]}" for k, v in named.items() if k in expected and
