@@ -258,8 +258,8 @@ def use_compile(mode):
 def compile_layers(backend="inductor", graphs=False):
     """`compile='layers'`: torch.compile a whole layer at a time, where the step is bound by launching small
     kernels. Block.forward (the trainer's layers and MTP), the head (Transformer.logits), the GRPO losses
-    (grpo.grpo_loss, grpo.token_logprobs: 9.2 -> 5.5 ms forward+backward over bench_2b's 4096 x 129280 logits on an
-    H200, bench/probe_loss.py), Engine._decode_layer (one decode step of a layer) and the engine's sampler
+    (grpo.grpo_loss, grpo.token_logprobs: 9.2 -> 3.5 ms forward+backward over bench_2b's 4096 x 129280 logits on an
+    H200 with grpo._TargetLogprob, bench/probe_loss.py), Engine._decode_layer (one decode step of a layer) and the engine's sampler
     (engine.sample_tokens) are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or learned
     router) share one compiled graph, since a module's parameters are inputs of the graph, not constants. The
     engine's prefill stays eager but for the head (one call per admitted batch). The first call of each kind

@@ -187,8 +187,8 @@ class FlatPickler(BytesPickler):
         self.dispatch_table = {**copyreg.dispatch_table, **(ForkingPickler._extra_reducers if cuda else {})}
 
 
-OUR_ENTRY, SGLANG_GLOBAL = [f"c{m}\n{n}\n".encode() for m, n in [(BucketEntry.__module__, BucketEntry.__qualname__),
-                                                                  SGLANG_ENTRY]]
+OUR_ENTRY = f"c{BucketEntry.__module__}\n{BucketEntry.__qualname__}\n".encode()  # protocol 3's GLOBAL opcode
+SGLANG_GLOBAL = ("c%s\n%s\n" % SGLANG_ENTRY).encode()
 
 
 def dumps_flat(flat, entries):
