@@ -75,18 +75,27 @@ def time_train(model, ids, logits_of, loss_of, steps, warmup, device):
 
 
 def train_flops(model, args, seq):
-    """Model FLOPs of one sequence's forward+backward: 6 x active parameters x tokens (routed experts counted
-    num_experts_per_tok / n_routed_experts, embedding not counted: it is a lookup) plus attention, 3 x (2 matmuls
-    x 2 FLOPs) x heads x head_dim per query and attended key: window keys, plus top-k (CSA) or all compressed
-    entries so far (HCA, causal: half on average)."""
+    """Model FLOPs of one sequence's forward+backward, counted per position t (causal):
+    - 6 x active parameters per token: routed experts counted num_experts_per_tok / n_routed_experts; the embedding
+      not counted (a lookup); the CSA indexer's weights 2x (forward only: its top-k pick passes no gradient);
+    - attention, 3 x (2 matmuls x 2 FLOPs) x heads x head_dim per query and key it attends: min(window, t) window
+      keys, plus min(top-k, t // 4) picked entries (CSA) or all t // 128 entries (HCA);
+    - the indexer's scores, forward only: 2 x index heads x index_head_dim per query and visible entry (t // 4)."""
     routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n and not n.startswith("embed."))
+    index = sum(p.numel() for n, p in model.named_parameters() if ".indexer." in n)
+    dense = sum(p.numel() for n, p in model.named_parameters()
+                if ".experts." not in n and ".indexer." not in n and not n.startswith("embed."))
     active = dense + routed * args.num_experts_per_tok / args.n_routed_experts
-    keys = 0.0
+    t = torch.arange(1, seq + 1, dtype=torch.float64)
+    keys = scored = 0.0
     for r in args.compress_ratios[:args.num_hidden_layers]:
-        keys += min(args.sliding_window, seq) + (0 if r == 0 else min(args.index_topk, seq / r) if r == 4 else seq / r / 2)
-    attn = 12 * args.num_attention_heads * args.head_dim * keys * seq
-    return 6 * active * seq + attn
+        keys += t.clamp(max=args.sliding_window).sum().item()
+        if r:
+            seen = torch.div(t, r, rounding_mode="floor")
+            keys += (seen.clamp(max=args.index_topk) if r == 4 else seen).sum().item()
+            scored += seen.sum().item() if r == 4 else 0.0
+    attn = 12 * args.num_attention_heads * args.head_dim * keys
+    return 6 * active * seq + 2 * index * seq + attn + 2 * args.index_n_heads * args.index_head_dim * scored
 
 
 def matmul_rate(device, dtype, n=8192):
@@ -410,11 +419,15 @@ if __name__ == "__main__":
     ref_loss = lambda logits, x: F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
     for name, model, fn, loss_of in (("nano-dsv4-rl", ours, lambda m, x: m(x), ours_loss),
                                      ("transformers", ref, lambda m, x: m(x).logits, ref_loss)):
+        cuda = device.type == "cuda"
+        base = torch.cuda.memory_allocated() if cuda else 0
+        torch.cuda.reset_peak_memory_stats() if cuda else None
         with amp if name == "transformers" else contextlib.nullcontext():
             t, host = time_train(model, ids, fn, loss_of, cli.steps, cli.warmup, device)
         results[name] = t
+        mem = f", {(torch.cuda.max_memory_allocated() - base) / 1e9:.1f} GB over its start" if cuda else ""
         print(f"  {name:14s} {n_tok / t:10.0f} tokens/s   ({t * 1e3:.0f} ms/step)   MFU {flops / t / peak:.1%}   "
-              f"(host issued it in {host * 1e3:.0f} ms)", flush=True)
+              f"(host issued it in {host * 1e3:.0f} ms{mem})", flush=True)
     print(f"  ratio ours / transformers: {results['transformers'] / results['nano-dsv4-rl']:.2f}x")
     if cli.profile:
         from torch.profiler import ProfilerActivity, profile

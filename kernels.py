@@ -101,10 +101,12 @@ class _HcMixes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fn, eps):
         R, Rp = fn.shape[0], fn.shape[0] + -fn.shape[0] % 8
+        # r before the GEMM: compile's partitioner then recomputes x.float() in the backward from the saved bf16 x;
+        # used after the GEMM it saved the fp32 copy (twice x's bytes, written and read back once per sublayer)
+        r = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
         f = torch.cat(split_bf16(F.pad(fn, (0, 0, 0, Rp - R))))  # [3 Rp, K]
         z = mm_f32(x, f.t())  # [M, 3 Rp]
         z = z[:, :R] + z[:, Rp:Rp + R] + z[:, 2 * Rp:2 * Rp + R]
-        r = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, f, z, r)
         return z * r
 

@@ -415,8 +415,12 @@ if data == 'toy' and format_warmup_steps and start_step == 0:
         groups = [(p, [{'output_ids': r, 'logprobs': [0.0] * len(r)}], [1.0]) for p, r in pairs]
         norm = len(pairs) * grid.dp_size
         mbs = make_microbatches(groups, 2, float(norm), loss_agg, grid.device)
+        t_w = time.time()
         m = parallel.train_step(model, grid, opt, mbs, lambda lg, mb: -(grpo.token_logprobs(lg, mb) * mb['weight'] * mb['mask']).sum(),
                                 grad_clip, recompute=recompute)
+        if is_logger and (i % 5 == 4 or i + 1 == format_warmup_steps):  # the first steps' time includes compiling
+            print(f"format warm-up {i + 1}/{format_warmup_steps} | loss {m.get('loss', 0.0):.3f} (dp rank 0) | "
+                  f"gnorm {m['grad_norm']:.2f} | {time.time() - t_w:.2f}s", flush=True)
     opt = new_optimizer()  # GRPO starts with fresh moments
     sync_weights()
 elif resume_dir or model_dir or external:

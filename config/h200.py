@@ -10,6 +10,7 @@ max_steps = 20
 init_from = 'scratch'
 model_config = 'config/models/bench_2b.json'
 dtype = 'bfloat16'
+compile = 'layers'  # each layer one inductor graph, in the trainer and the embedded server (kernels.compile_layers)
 
 # one GPU, so no PP/EP; micro-batches bound activation memory (128 samples / 16 = 8 per micro-batch)
 pp_size = 1
@@ -20,7 +21,7 @@ optimizer_offload = False  # fp32 master + Adam is ~39 GB, it fits
 
 # embedded server, colocated: the weights are handed over on the same GPU, in bf16
 rollout_url = ''
-weight_sync = 'disk'  # the embedded server reads the trainer's safetensors shards
+weight_sync = 'tensor'  # CUDA IPC handles to the trainer's buckets, read by the server on the same GPU
 rollout_quant = 'none'
 
 # offline copies in ../shared/data (see shared/data/README.md); AIME-2024 is 30 problems
