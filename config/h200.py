@@ -1,7 +1,11 @@
 # One H200 (141 GB): the bench_2b model (2.43B total, 0.79B active; spec §7.2) from scratch, with the
 # embedded rollout server on the same GPU. It measures step time and memory at real V4 shapes (head_dim 512,
 # ratios 4/128, real vocab); a random model scores ~0 on math, so read t_roll/t_train/mfu, not reward.
-# Use --data=toy to see reward move.
+# --data=toy runs the toy task's format warm-up first (30 supervised steps: its loss fell 13.6 -> 0.4-0.7 on an
+# H200, bench/RESULTS.md session 17); reward moving on the toy task was not seen on bench_2b: with 8 warm-up steps it
+# stayed 0 (no group to train on), and the runs with 30 were cut before their first step finished.
+# With compile='layers' the first rollout took 174 s (not broken down: the server compiles and captures its decode
+# step then), later ones 2.6-3.3 s (64 samples of 64 tokens); the tensor weight sync 0.2 s.
 #   python train_grpo.py config/h200.py
 out_dir = 'out/h200'
 seed = 1337
