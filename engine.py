@@ -16,6 +16,7 @@ Logprobs are log_softmax(logits / temperature) over the full vocabulary (log_sof
 taken before top-p / top-k, as SGLang returns them.
 """
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -382,7 +383,7 @@ class Engine:
         self._stack_experts()  # here, not in the MoE: compiled code and CUDA graphs read the stack as given
         if self.graphs is None:
             return self._decode(*(t.to(self.device, non_blocking=True) for t in (slots, tokens, pos)))
-        bucket = next(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, self.max_batch) if b >= B)
+        bucket = next(b for b in self.buckets() if b >= B)
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
         g = self.graphs[bucket]
@@ -396,6 +397,24 @@ class Engine:
             g.tokens[:B].copy_(tokens)
         g.graph.replay()
         return g.out[:B]
+
+    def buckets(self):
+        """The batch sizes decode runs at on a GPU (CUDA graphs): a batch takes the smallest bucket that holds it."""
+        return [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < self.max_batch] + [self.max_batch]
+
+    def warm_up(self):
+        """Decode once at every bucket, on the scratch slot, before the first request: under compile='layers' the
+        first batch sizes compile each kind of layer (the first with a static batch, the next again with a dynamic
+        one) and a GPU captures each bucket's graph, which the first rollout paid otherwise (174 s for bench_2b on
+        an H200, session 17). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        with self.lock:
+            for b in self.buckets():
+                rows = torch.full((b,), self.max_batch, dtype=torch.long)  # every row on the scratch slot
+                self.decode(rows, torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def _capture(self, bucket):
         """Record _decode for `bucket` rows on static input tensors, after two warm-up runs on a side stream."""
@@ -478,7 +497,6 @@ class Engine:
 
 if __name__ == "__main__":
     # Self-check: a tiny random model; prefill + decode logprobs equal the training forward's.
-    import time
     from model_dsv4 import ModelArgs, Transformer
     torch.manual_seed(0)
     model = Transformer(ModelArgs(), dtype=torch.float32)

@@ -438,6 +438,8 @@ def serve(args):
                   args.max_batch, args.max_len, background=False, quant=args.quant, fp8_emu=args.fp8_emu,
                   invariant=args.invariant)
     httpd.app.engine.weight_version = args.weight_version  # SGLang's --weight-version: what its samples carry
+    if args.compile == "layers":  # compile and capture every batch bucket now, not in the first rollout
+        print(f"decode compiled for every batch bucket in {httpd.app.engine.warm_up():.0f} s", flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
     if args.parent_pid:  # an embedded server outliving its trainer would hold the port and the memory
         threading.Thread(target=exit_with, args=(args.parent_pid,), daemon=True, name="parent-watch").start()

@@ -138,10 +138,17 @@ for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto
     if globals()[_k] not in _ok:  # a value the run would refuse later (or misread): a usage error now
         print(f"error: {_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}", file=sys.stderr)
         sys.exit(2)
+for _k, _least in dict(n_prompts=1, n_samples=1, max_prompt_len=1, max_new_tokens=1, n_microbatches=1, n_minibatches=1,
+                      rollout_max_batch=1, pp_size=1, ep_size=1, eval_n_samples=1, max_sampling_rounds=1, max_steps=0,
+                      format_warmup_steps=0, warmup_steps=0, eval_interval=0, checkpoint_interval=0, eval_limit=0,
+                      watchdog_s=0, overlong_buffer=0, weight_sync_bucket_mb=1e-6).items():
+    if globals()[_k] < _least:  # a zero batch divides by zero, a zero-row server never schedules: refuse it now
+        print(f"error: {_k}={globals()[_k]!r}: must be {'positive' if _least else 'at least 0'}", file=sys.stderr)
+        sys.exit(2)
 if invariant and compile != 'off':  # a Python dispatch mode per op; the compiled graphs would bypass it
     print("error: invariant=True runs eager: set compile='off'", file=sys.stderr)
     sys.exit(2)
-if compile == 'layers' and not torch.cuda.is_available():  # inductor's C++ decode step does not build on the CPU
+if compile == 'layers' and not dry_run and not torch.cuda.is_available():  # inductor's C++ decode step: no CPU build
     print("error: compile='layers' needs a GPU; on the CPU use compile='off' or 'hot'", file=sys.stderr)
     sys.exit(2)
 config = {k: globals()[k] for k in config_keys}
@@ -245,8 +252,28 @@ if not external:
         rollout_url = f"http://127.0.0.1:{port}"
     rollout_url = parallel.broadcast_object(rollout_url, 0, grid.world_group, 'rollout url')
 client = RolloutClient(rollout_url, api_key=rollout_api_key or None, timeout=rollout_timeout)
-client.wait_ready(timeout=600)
-print0(f"rollout servers ready: {rollout_url}")
+
+
+def servers_ready():
+    """External servers are waited for at once. The embedded one is waited for at its first use: with
+    compile='layers' it compiles its decode step before it answers, while the trainer builds and warms up."""
+    global ready
+    deadline = time.time() + (600 if external else 1800)
+    while not ready:
+        try:
+            client.wait_ready(timeout=10)
+            print0(f"rollout servers ready: {rollout_url}")
+            ready = True
+        except RuntimeError:
+            if master and not external and server.poll() is not None:  # no point waiting for a dead one
+                raise SystemExit(f"error: the embedded rollout server exited with {server.returncode} before it was ready")
+            if time.time() > deadline:
+                raise
+
+
+ready = False
+if external:
+    servers_ready()
 
 
 # -----------------------------------------------------------------------------
@@ -371,6 +398,7 @@ def sync_weights():
     server that fails mid-sync is named and gets no rollouts until a sync completes there: the others are synced
     again at once, and each later sync retries it (weight_sync.py)."""
     global weight_version, server
+    servers_ready()
     weight_version += 1
     for attempt in (1, 2):
         try:
@@ -428,6 +456,7 @@ elif resume_dir or model_dir or external:
 
 # -----------------------------------------------------------------------------
 # the loop
+servers_ready()  # before the first step's watchdog is armed
 preempt.defer = True  # from here a signal stops at the end of the step, with a checkpoint
 for step in range(start_step, max_steps):
     watchdog.arm(f"step {step}")

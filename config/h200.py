@@ -4,8 +4,9 @@
 # --data=toy runs the toy task's format warm-up first (30 supervised steps: its loss fell 13.6 -> 0.4-0.7 on an
 # H200, bench/RESULTS.md session 17); reward moving on the toy task was not seen on bench_2b: with 8 warm-up steps it
 # stayed 0 (no group to train on), and the runs with 30 were cut before their first step finished.
-# With compile='layers' the first rollout took 174 s (not broken down: the server compiles and captures its decode
-# step then), later ones 2.6-3.3 s (64 samples of 64 tokens); the tensor weight sync 0.2 s.
+# With compile='layers' the first rollout took 174 s (the server compiled its decode step then; it now does so at
+# start, while the trainer warms up: not yet run on a GPU), later ones 2.6-3.3 s (64 samples of 64 tokens); the
+# tensor weight sync 0.2 s.
 #   python train_grpo.py config/h200.py
 out_dir = 'out/h200'
 seed = 1337

@@ -239,3 +239,23 @@ def test_startup_refusals(cmd, expect):
     GPU, and compiling with path-invariant numerics (a dispatch mode the compiled graphs would bypass)."""
     p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and expect in p.stderr, p.stderr[-2000:]
+
+
+def test_engine_warm_up_compiles_every_batch_size_first(compile_layers):
+    """Engine.warm_up (rollout.py --serve --compile layers, before the ready line) decodes once at every batch
+    bucket on the scratch slot: the compiles of the decode step happen there (the first bucket with a static batch,
+    the next with a dynamic one), and decodes at other batch sizes afterwards compile nothing."""
+    from dataclasses import replace
+    from engine import Engine
+    args = replace(SMALL, num_hidden_layers=2, compress_ratios=[0, 4, 0], num_nextn_predict_layers=1)
+    dev = "cuda" if CUDA else "cpu"
+    model = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,
+                       args.num_experts_per_tok, seed=6).set_dtype(torch.bfloat16).set_kernels(True).to(dev)
+    counters = compile_layers()
+    engine = Engine(model, max_batch=8, max_len=64)
+    engine.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 4  # two kinds of layer and the head, each again once the batch size moved
+    for b in (3, 5, 8):
+        engine.decode(torch.arange(b), torch.randint(2, args.vocab_size, (b,)), torch.full((b,), 7))
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -183,7 +183,10 @@ def test_config_fuzz_is_a_usage_error_naming_the_key(monkeypatch):
 
 
 @pytest.mark.parametrize("args,expect", [(["--max_step=3"], "unknown config key 'max_step'.*did you mean max_steps"),
-                                         (["--weight_sync=tensr"], "weight_sync='tensr': choose one of disk, distributed, tensor")])
+                                         (["--weight_sync=tensr"], "weight_sync='tensr': choose one of disk, distributed, tensor"),
+                                         (["--n_microbatches=0"], "n_microbatches=0: must be positive"),
+                                         (["--rollout_max_batch=-3"], "rollout_max_batch=-3: must be positive"),
+                                         (["--max_steps=-1"], "max_steps=-1: must be at least 0")])
 def test_train_grpo_exits_2_on_bad_config(args, expect):
     p = subprocess.run([sys.executable, "train_grpo.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and re.search(expect, p.stderr), p.stderr[-2000:]
