@@ -131,6 +131,8 @@ class Engine:
         self.model, self.args = model.eval(), model.args
         self.device = next(model.parameters()).device
         self.max_batch, self.max_len = max_batch, max_len
+        # the batch sizes decode runs at on a GPU (CUDA graphs): a batch takes the smallest bucket that holds it
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < max_batch] + [max_batch]
         self.module_of = dict(model.named_modules())  # for load_weights: the module tree is fixed once built
         # a scratch slot past max_batch: the padding rows of the CUDA graphs' batch buckets decode into it
         self.cache = KVCache(model, max_batch + 1, max_len, self.device)
@@ -383,7 +385,7 @@ class Engine:
         self._stack_experts()  # here, not in the MoE: compiled code and CUDA graphs read the stack as given
         if self.graphs is None:
             return self._decode(*(t.to(self.device, non_blocking=True) for t in (slots, tokens, pos)))
-        bucket = next(b for b in self.buckets() if b >= B)
+        bucket = next(b for b in self.buckets if b >= B)
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
         g = self.graphs[bucket]
@@ -398,10 +400,6 @@ class Engine:
         g.graph.replay()
         return g.out[:B]
 
-    def buckets(self):
-        """The batch sizes decode runs at on a GPU (CUDA graphs): a batch takes the smallest bucket that holds it."""
-        return [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < self.max_batch] + [self.max_batch]
-
     def warm_up(self):
         """Decode once at every bucket, on the scratch slot, before the first request: under compile='layers' the
         first batch sizes compile each kind of layer (the first with a static batch, the next again with a dynamic
@@ -409,7 +407,7 @@ class Engine:
         an H200, session 17). Returns the seconds it took."""
         t0 = time.perf_counter()
         with self.lock:
-            for b in self.buckets():
+            for b in self.buckets:
                 rows = torch.full((b,), self.max_batch, dtype=torch.long)  # every row on the scratch slot
                 self.decode(rows, torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long))
             if self.device.type == "cuda":
