@@ -1,12 +1,11 @@
 # One H200 (141 GB): the bench_2b model (2.43B total, 0.79B active; spec §7.2) from scratch, with the
 # embedded rollout server on the same GPU. It measures step time and memory at real V4 shapes (head_dim 512,
 # ratios 4/128, real vocab); a random model scores ~0 on math, so read t_roll/t_train/mfu, not reward.
-# --data=toy runs the toy task's format warm-up first (30 supervised steps: its loss fell 13.6 -> 0.4-0.7 on an
-# H200, bench/RESULTS.md session 17); reward moving on the toy task was not seen on bench_2b: with 8 warm-up steps it
-# stayed 0 (no group to train on), and the runs with 30 were cut before their first step finished.
-# With compile='layers' the first rollout took 174 s (the server compiled its decode step then; it now does so at
-# start, while the trainer warms up: not yet run on a GPU), later ones 2.6-3.3 s (64 samples of 64 tokens); the
-# tensor weight sync 0.2 s.
+# --data=toy runs the toy task's format warm-up first (30 supervised steps at lr 1e-2 on every parameter: loss
+# 13.6 -> 0.4-0.7 in one H200 run, 10.8 -> 1.2 with a spike to 11.3 in another; bench/RESULTS.md sessions 17-18).
+# Session 18, compile='layers': the server compiled its decode before its ready line (126-273 s) while the trainer
+# warmed up; the first GRPO step compiled for 207 s, later ones trained in 1.8-4 s, rollouts of 64 samples x 64
+# tokens took 1.7-5.2 s, the tensor sync 0.2-0.3 s, at most 77 GB; the reward stayed at 0.4-0.9% over 8 steps.
 #   python train_grpo.py config/h200.py
 out_dir = 'out/h200'
 seed = 1337
