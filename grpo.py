@@ -20,15 +20,16 @@ def keep_group(rewards):
     return len(set(rewards)) > 1
 
 
-def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", device="cpu"):
+def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", device="cpu", pad_to=1):
     """groups: [(prompt ids, [samples], [advantages])] -> n_micro right-padded micro-batches holding what the last
     stage's loss needs, per position t (logits at t score token t+1): response mask, advantage, rollout logprob,
     and the loss weight: 1 / (response length * norm) for the per-sample token mean (norm = samples, all DP
-    ranks together), 1 / norm for the token mean (norm = response tokens, all DP ranks together)."""
+    ranks together), 1 / norm for the token mean (norm = response tokens, all DP ranks together).
+    pad_to: each micro-batch's length rounded up to a multiple of it (compiled layers: one graph for every length)."""
     samples = [(prompt, s, a) for prompt, ss, advs in groups for s, a in zip(ss, advs)]
     out = []
     for chunk in [samples[i::n_micro] for i in range(n_micro)]:
-        T = max(len(p) + len(s["output_ids"]) for p, s, _ in chunk)
+        T = -(-max(len(p) + len(s["output_ids"]) for p, s, _ in chunk) // pad_to) * pad_to
         mb = {k: torch.zeros(len(chunk), T, dtype=d) for k, d in (("input_ids", torch.long), ("tgt", torch.long),
               ("mask", torch.bool), ("adv", torch.float32), ("rollout_lp", torch.float32), ("weight", torch.float32),
               ("first", torch.bool))}

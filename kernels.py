@@ -265,7 +265,11 @@ def compile_layers(backend="inductor", graphs=False):
     (engine.sample_tokens) are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or learned
     router) share one compiled graph, since a module's parameters are inputs of the graph, not constants. The
     engine's prefill stays eager but for the head (one call per admitted batch). The first call of each kind
-    compiles, minutes for bench_2b on an H200 machine; a new shape recompiles once, then runs with dynamic shapes.
+    compiles, minutes for bench_2b on an H200 machine. The trainer's functions (Block.forward, the head, the losses)
+    take their batch and length dims as symbolic from the first call (_dynamic_batch_and_length): every GRPO step
+    brings new lengths, and a first compile for the first step's exact shape would be thrown away at the second
+    (a full compile of every kind of layer again: 207 s for bench_2b's GRPO step on an H200, session 18). The
+    engine's decode keeps its static first bucket (its shapes repeat; decode compiles it with the rest in its warm-up).
     (The CPU tests pass backend="aot_eager": the same graphs without code generation.)
 
     graphs=True (bench.py --compile=graphs) adds mode="reduce-overhead" to Block.forward: inductor records each
@@ -280,15 +284,39 @@ def compile_layers(backend="inductor", graphs=False):
     import grpo
     import model_dsv4 as m
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
-    m.Block.forward = torch.compile(m.Block.forward, backend=backend, mode="reduce-overhead" if graphs else None)
+    # bench.py --compile=graphs keeps static shapes: a CUDA graph is recorded per shape anyway
+    trainer = (lambda f: torch.compile(f, backend=backend)) if graphs else \
+              (lambda f: _dynamic_batch_and_length(torch.compile(f, backend=backend)))
+    m.Block.forward = torch.compile(m.Block.forward, backend=backend, mode="reduce-overhead") if graphs \
+        else trainer(m.Block.forward)
     # the head: hc_head's collapse of the streams, the final norm and the head's GEMM, which ran eager: ~90 kernels
-    # forward and backward, ~2.5 ms of bench_2b's 70 ms training step (session 15's trace)
-    m.Transformer.logits = torch.compile(m.Transformer.logits, backend=backend)
+    # forward and backward, ~2.5 ms of bench_2b's 70 ms training step (session 15's trace). The engine's decode
+    # calls it too, with length 1, which stays static (dynamo specialises sizes 0 and 1)
+    m.Transformer.logits = trainer(m.Transformer.logits)
     # the losses over the vocabulary: log-softmax, gather and entropy fused into a pass or two over the fp32 logits,
     # where eager writes the [tokens, vocab] log-probabilities; the backward (grpo._TargetLogprob) one pass
-    grpo.grpo_loss, grpo.token_logprobs = (torch.compile(f, backend=backend) for f in (grpo.grpo_loss, grpo.token_logprobs))
+    grpo.grpo_loss, grpo.token_logprobs = (trainer(f) for f in (grpo.grpo_loss, grpo.token_logprobs))
     engine.Engine._decode_layer = torch.compile(engine.Engine._decode_layer, backend=backend)
     engine.sample_tokens = torch.compile(engine.sample_tokens, backend=backend)  # the Gumbel noise: one kernel
+
+
+def _dynamic_batch_and_length(compiled):
+    """Call `compiled` with dims 0 and 1 (batch, length) of its tensor arguments marked dynamic: those of the first
+    tensor argument, and the same dims of every other tensor argument (dict values too, the losses' micro-batch)
+    where their sizes match, so dynamo does not specialise them through an op that joins two tensors. A hint
+    (maybe_mark_dynamic): a size 0 or 1 stays static, and a guard the code needs still specialises."""
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        if not torch.compiler.is_compiling():  # called from compiled code (grpo_loss -> token_logprobs): traced
+            tensors = [t for a in (*args, *kwargs.values()) for t in (a.values() if isinstance(a, dict) else (a,))
+                       if isinstance(t, torch.Tensor)]
+            lead = tensors[0].shape[:2] if tensors else ()
+            for t in tensors:
+                for d, n in enumerate(lead):
+                    if t.dim() > d and t.shape[d] == n:
+                        torch._dynamo.maybe_mark_dynamic(t, d)
+        return compiled(*args, **kwargs)
+    return run
 
 
 def compile_hot_paths():

@@ -189,6 +189,9 @@ if model_dir:
 model.set_kernels(kernels == 'fast' or (kernels == 'auto' and grid.device.type == 'cuda'))
 model.set_invariant(invariant)  # on: every sum in fp64 and the reference kernels, as the server's (--invariant)
 __import__('kernels').use_compile(compile)  # swaps model_dsv4's (and the engine's) functions for compiled ones
+# compiled layers specialise on a length's remainder by the compress ratios and the window (the fast attention's
+# query blocks): micro-batches padded to a multiple of all of them share one graph per kind of layer
+pad_to = math.lcm(args.sliding_window, *[r for r in args.compress_ratios if r]) if compile == 'layers' else 1
 if trainable == 'auto':  # the toy task's recipe: a random body, see tasks.py
     trainable = 'io' if data == 'toy' and init_from == 'scratch' else 'all'
 IO = ('embed.', 'head.', 'norm.', 'hc_head_')
@@ -442,7 +445,7 @@ if data == 'toy' and format_warmup_steps and start_step == 0:
         pairs = format_warmup_batch(tok, rng.choices(problems, k=16), rng)
         groups = [(p, [{'output_ids': r, 'logprobs': [0.0] * len(r)}], [1.0]) for p, r in pairs]
         norm = len(pairs) * grid.dp_size
-        mbs = make_microbatches(groups, 2, float(norm), loss_agg, grid.device)
+        mbs = make_microbatches(groups, 2, float(norm), loss_agg, grid.device, pad_to)
         t_w = time.time()
         m = parallel.train_step(model, grid, opt, mbs, lambda lg, mb: -(grpo.token_logprobs(lg, mb) * mb['weight'] * mb['mask']).sum(),
                                 grad_clip, recompute=recompute)
@@ -499,7 +502,8 @@ for step in range(start_step, max_steps):
         norm = float(parallel.all_reduce(torch.tensor(float(norm_local), device=grid.device), grid.dp_group, 'loss norm'))
         for mini in range(n_minibatches):
             part = groups[mini::n_minibatches] if n_minibatches > 1 else groups
-            mbs = make_microbatches(part, min(n_micro, len(part) * n_samples), norm / n_minibatches, loss_agg, grid.device)
+            mbs = make_microbatches(part, min(n_micro, len(part) * n_samples), norm / n_minibatches, loss_agg,
+                                   grid.device, pad_to)
             if n_minibatches > 1:  # the old policy's logprobs, before any of this rollout's updates
                 for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, grpo.token_logprobs) or [None] * len(mbs)):
                     if lp is not None:

@@ -43,15 +43,21 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
     """compile_layers, bf16: logits and the gradients of every parameter are as close to the fp32 model as eager
     bf16 is (inductor keeps some intermediates in fp32 where eager rounds, so the two bf16 runs differ by bf16
     rounding). The trainer's activation recompute (parallel.stage_forward(recompute=True): each compiled layer run
-    again inside the backward) gives the same logits and gradients as the compiled step without it."""
+    again inside the backward) gives the same logits and gradients as the compiled step without it. Then the GRPO
+    step's shapes: micro-batches of other sizes and lengths, padded as train_grpo pads them (a multiple of the
+    window and the compress ratios), and the GRPO loss compile nothing after their first: the batch and length are
+    symbolic from the first call (kernels._dynamic_batch_and_length)."""
+    import math
     import parallel
+    from grpo import grpo_loss, make_microbatches
     dev = "cuda" if CUDA else "cpu"
     m32 = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
                      SMALL.num_experts_per_tok, seed=4).set_kernels(True).to(dev)
     bf = copy.deepcopy(m32).set_dtype(torch.bfloat16)
-    ids = torch.randint(0, SMALL.vocab_size, (2, 96), generator=torch.Generator().manual_seed(5)).to(dev)
+    pad_to = math.lcm(SMALL.sliding_window, *[r for r in SMALL.compress_ratios if r])  # train_grpo's, 128
+    ids = torch.randint(0, SMALL.vocab_size, (2, 2 * pad_to), generator=torch.Generator().manual_seed(5)).to(dev)
 
-    def run(m, recompute=None):
+    def run(m, recompute=None, ids=ids):
         logits = m(ids) if recompute is None else parallel.stage_forward(m, None, ids, recompute)
         logits.log_softmax(-1)[..., 3].mean().backward()
         grads = torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
@@ -68,6 +74,18 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
     for a, b in zip(run(bf, recompute=True), run(bf, recompute=False)):  # a GPU's atomic adds may reorder sums
         assert torch.equal(a, b) if not CUDA else (a - b).norm() <= 1e-3 * b.norm()
     assert counters["stats"]["unique_graphs"] == graphs  # the same compiled layers, not new graphs
+    g = torch.Generator().manual_seed(6)
+    # padded lengths of 256, 384 and 384 (not 128: one HCA entry, a size dynamo specialises, compiles its own)
+    for n, lengths in ((3, (150, 201)), (2, (140, 333)), (5, (300, 290))):
+        groups = [(torch.randint(2, SMALL.vocab_size, (8,), generator=g).tolist(),
+                   [{"output_ids": torch.randint(2, SMALL.vocab_size, (L - 8,), generator=g).tolist(),
+                     "logprobs": [-1.0] * (L - 8)} for L in lengths], [1.0, -1.0])] * n
+        for mb in make_microbatches(groups, 2, 4.0, device=dev, pad_to=pad_to):
+            loss, _ = grpo_loss(bf(mb["input_ids"]), mb)
+            loss.backward()
+        if n == 3:
+            graphs = counters["stats"]["unique_graphs"]  # the GRPO loss's (and token_logprobs') first compile
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_reference_expert_loop_runs_eagerly_in_compiled_layers(compile_layers):

@@ -41,6 +41,17 @@ def test_microbatches_place_tokens_and_weights(agg):
         assert mb["weight"][0, 2].item() == pytest.approx(1 / (2 * 4))
 
 
+def test_microbatches_padded_to_a_multiple_add_only_empty_positions():
+    """pad_to (train_grpo with compile='layers'): each micro-batch's length rounded up; the added positions carry no
+    token, mask or weight, and the rest equals the unpadded micro-batch."""
+    plain, padded = make_microbatches(groups_fixture(), 2, 4), make_microbatches(groups_fixture(), 2, 4, pad_to=8)
+    for p, q in zip(plain, padded):
+        T = p["input_ids"].shape[1]
+        assert q["input_ids"].shape[1] == 8 and T < 8
+        for k in p:
+            assert torch.equal(q[k][:, :T], p[k]) and not q[k][:, T:].any(), k
+
+
 def test_on_policy_step_is_exactly_reinforce():
     """Without old logprobs the ratio is exactly 1, nothing is clipped, approx KL is 0, and the gradient is
     -sum(A * w * grad logp): plain REINFORCE with group-normalised advantages."""
