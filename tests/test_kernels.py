@@ -218,7 +218,7 @@ def test_stacked_experts_train_in_place():
     the optimizer's steps write through the views, so the stacks stay the parameters' storage, and after two steps
     of two micro-batches each (the gradients add up, then zero_grad sets them to None) the model equals the
     reference one (per-expert loop) trained alike. Each expert's gradient is its view of its stack's gradient. A
-    dtype cast re-stacks on the next forward."""
+    dtype cast and a load that assigns new parameters re-stack on the next forward."""
     from kernels import is_stacked
     ref = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
                      SMALL.num_experts_per_tok, seed=3)
@@ -242,6 +242,11 @@ def test_stacked_experts_train_in_place():
     fast.set_dtype(torch.bfloat16)(ids)
     assert is_stacked(list(moe.experts.values()), moe.stacked) and moe.stacked[0].dtype == torch.bfloat16
     assert old[0].dtype == torch.float32
+    before = fast(ids)  # a load that assigns new parameters breaks the views too: re-stacked, the same model
+    fast.load_state_dict({k: v.clone() for k, v in fast.state_dict().items()}, assign=True)
+    assert not is_stacked(list(moe.experts.values()), moe.stacked)
+    torch.testing.assert_close(fast(ids), before, rtol=0, atol=0)
+    assert is_stacked(list(moe.experts.values()), moe.stacked)
 
 
 def test_stacked_expert_grads_add_to_what_parameters_hold():
