@@ -247,8 +247,8 @@ class Engine:
                                      [ahead.get(id(r), 0) for r in reqs]])
                 tokens = rows[1]
                 if prev is not None and k.any():  # in-flight tokens, gathered on the device
-                    src = rows[[1, 3]].to(self.device, non_blocking=True)  # host tokens, rows of prev.tokens
-                    tokens = torch.where(k.to(self.device, non_blocking=True).bool(), prev.tokens[src[1]], src[0])
+                    src = self._upload(rows[[1, 3]])  # host tokens, rows of prev.tokens
+                    tokens = torch.where(self._upload(k).bool(), prev.tokens[src[1]], src[0])
                 logits = self.decode(rows[0], tokens, rows[2] + k)
                 self.inflight = self._launch_sample(reqs, logits, k)
             if prev is not None:
@@ -312,7 +312,7 @@ class Engine:
         if ahead is not None:
             draws[:, 1] += ahead
         filtered = bool(params[:, 1].min() < 1.0 or params[:, 2].min() < V)
-        chosen = sample_tokens(logits, params.to(dev, non_blocking=True), draws.to(dev, non_blocking=True), filtered)
+        chosen = sample_tokens(logits, self._upload(params, dev), self._upload(draws, dev), filtered)
         out = type("InFlight", (), {})()
         out.reqs, out.tokens, out.host = reqs, chosen[0].long(), chosen.to("cpu", non_blocking=True)
         out.event = torch.cuda.Event() if chosen.is_cuda else None
@@ -377,6 +377,16 @@ class Engine:
         if self.model.stack_experts():
             self.graphs = self.graphs and {}  # {} or None as before, without the stale captures
 
+    def _upload(self, t, device=None):
+        """A host tensor to the device without waiting for the work queued there. From pageable memory the CUDA
+        driver may synchronise with the stream to stage the copy (the API's documented behaviour), which would hold
+        the host until the decode in flight is done and undo the overlapped step; from pinned memory the copy is
+        queued and the host goes on (the caching host allocator keeps the block until the copy is done)."""
+        device = device or self.device
+        if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
+
     def decode(self, slots, tokens, pos):
         """One token per sequence. slots, tokens, pos: int64 [B] (on any device) -> fp32 logits [B, vocab].
         On a GPU this replays a CUDA graph of _decode captured for the smallest batch bucket >= B (the padding
@@ -384,12 +394,12 @@ class Engine:
         B = len(slots)
         self._stack_experts()  # here, not in the MoE: compiled code and CUDA graphs read the stack as given
         if self.graphs is None:
-            return self._decode(*(t.to(self.device, non_blocking=True) for t in (slots, tokens, pos)))
+            return self._decode(*(self._upload(t) for t in (slots, tokens, pos)))
         bucket = next(b for b in self.buckets if b >= B)
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
         g = self.graphs[bucket]
-        host = torch.zeros(3, bucket, dtype=torch.long)
+        host = torch.zeros(3, bucket, dtype=torch.long, pin_memory=True)  # see _upload
         host[0] = self.max_batch  # the padding rows: the scratch slot, token 0, position 0
         host[0, :B], host[2, :B] = slots, pos
         if tokens.device.type == "cpu":
