@@ -305,14 +305,14 @@ class Engine:
         request draws the same tokens alone or in any batch, and the whole batch is sampled by one set of kernels.
         Nothing waits here: the tokens stay on the device for the next decode and are copied back (to pinned memory
         on a GPU) behind an event; _apply reads them. Also SGLang's logprob of the chosen token."""
-        V, dev = logits.shape[1], logits.device
+        V = logits.shape[1]
         params = torch.tensor([[r.params.temperature, r.params.top_p, r.params.top_k if 0 < r.params.top_k < V else V]
                                for r in reqs], dtype=torch.float64)
         draws = torch.tensor([[r.seed, len(r.output_ids)] for r in reqs])
         if ahead is not None:
             draws[:, 1] += ahead
         filtered = bool(params[:, 1].min() < 1.0 or params[:, 2].min() < V)
-        chosen = sample_tokens(logits, self._upload(params, dev), self._upload(draws, dev), filtered)
+        chosen = sample_tokens(logits, self._upload(params), self._upload(draws), filtered)
         out = type("InFlight", (), {})()
         out.reqs, out.tokens, out.host = reqs, chosen[0].long(), chosen.to("cpu", non_blocking=True)
         out.event = torch.cuda.Event() if chosen.is_cuda else None
@@ -377,15 +377,14 @@ class Engine:
         if self.model.stack_experts():
             self.graphs = self.graphs and {}  # {} or None as before, without the stale captures
 
-    def _upload(self, t, device=None):
+    def _upload(self, t):
         """A host tensor to the device without waiting for the work queued there. From pageable memory the CUDA
         driver may synchronise with the stream to stage the copy (the API's documented behaviour), which would hold
         the host until the decode in flight is done and undo the overlapped step; from pinned memory the copy is
         queued and the host goes on (the caching host allocator keeps the block until the copy is done)."""
-        device = device or self.device
-        if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        if self.device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
             t = t.pin_memory()
-        return t.to(device, non_blocking=True)
+        return t.to(self.device, non_blocking=True)
 
     def decode(self, slots, tokens, pos):
         """One token per sequence. slots, tokens, pos: int64 [B] (on any device) -> fp32 logits [B, vocab].

@@ -22,6 +22,7 @@ compile_hot_paths / compile_layers (train_grpo.py `compile`, bench.py --compile)
 PathInvariant goes the other way, exact and slow: every sum in fp64 (Transformer.set_invariant).
 """
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -302,6 +303,13 @@ def compile_layers(backend="inductor", graphs=False):
     grpo.grpo_loss, grpo.token_logprobs = (trainer(f) for f in (grpo.grpo_loss, grpo.token_logprobs))
     engine.Engine._decode_layer = torch.compile(engine.Engine._decode_layer, backend=backend)
     engine.sample_tokens = torch.compile(engine.sample_tokens, backend=backend)  # the Gumbel noise: one kernel
+
+
+def length_multiple(args):
+    """Compiled layers specialise on a length's remainder by each compress ratio (the pooling) and by the window (the
+    fast attention's query blocks); train_grpo.py pads its micro-batches to a multiple of all of them
+    (compile='layers'), so every length runs the same graph of each kind of layer. 128 for V4."""
+    return math.lcm(args.sliding_window, *[r for r in args.compress_ratios if r])
 
 
 def _dynamic_batch_and_length(compiled):

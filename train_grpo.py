@@ -189,9 +189,7 @@ if model_dir:
 model.set_kernels(kernels == 'fast' or (kernels == 'auto' and grid.device.type == 'cuda'))
 model.set_invariant(invariant)  # on: every sum in fp64 and the reference kernels, as the server's (--invariant)
 __import__('kernels').use_compile(compile)  # swaps model_dsv4's (and the engine's) functions for compiled ones
-# compiled layers specialise on a length's remainder by the compress ratios and the window (the fast attention's
-# query blocks): micro-batches padded to a multiple of all of them share one graph per kind of layer
-pad_to = math.lcm(args.sliding_window, *[r for r in args.compress_ratios if r]) if compile == 'layers' else 1
+pad_to = __import__('kernels').length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths
 if trainable == 'auto':  # the toy task's recipe: a random body, see tasks.py
     trainable = 'io' if data == 'toy' and init_from == 'scratch' else 'all'
 IO = ('embed.', 'head.', 'norm.', 'hc_head_')
@@ -502,8 +500,7 @@ for step in range(start_step, max_steps):
         norm = float(parallel.all_reduce(torch.tensor(float(norm_local), device=grid.device), grid.dp_group, 'loss norm'))
         for mini in range(n_minibatches):
             part = groups[mini::n_minibatches] if n_minibatches > 1 else groups
-            mbs = make_microbatches(part, min(n_micro, len(part) * n_samples), norm / n_minibatches, loss_agg,
-                                   grid.device, pad_to)
+            mbs = make_microbatches(part, min(n_micro, len(part) * n_samples), norm / n_minibatches, loss_agg, grid.device, pad_to)
             if n_minibatches > 1:  # the old policy's logprobs, before any of this rollout's updates
                 for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, grpo.token_logprobs) or [None] * len(mbs)):
                     if lp is not None:

@@ -1,11 +1,9 @@
-# One H200 (141 GB): the bench_2b model (2.43B total, 0.79B active; spec §7.2) from scratch, with the
-# embedded rollout server on the same GPU. It measures step time and memory at real V4 shapes (head_dim 512,
-# ratios 4/128, real vocab); a random model scores ~0 on math, so read t_roll/t_train/mfu, not reward.
-# --data=toy runs the toy task's format warm-up first (30 supervised steps at lr 1e-2 on every parameter: loss
-# 13.6 -> 0.4-0.7 in one H200 run, 10.8 -> 1.2 with a spike to 11.3 in another; bench/RESULTS.md sessions 17-18).
-# Session 18, compile='layers': the server compiled its decode before its ready line (126-273 s) while the trainer
-# warmed up; the first GRPO step compiled for 207 s, later ones trained in 1.8-4 s, rollouts of 64 samples x 64
-# tokens took 1.7-5.2 s, the tensor sync 0.2-0.3 s, at most 77 GB; the reward stayed at 0.4-0.9% over 8 steps.
+# One H200 (141 GB): the bench_2b model (2.43B total, 0.79B active; spec §7.2) from scratch, with the embedded
+# rollout server on the same GPU: step time and memory at real V4 shapes (head_dim 512, ratios 4/128, real vocab);
+# a random model scores ~0 on math, so read t_roll/t_train/mfu, not reward. Session 18 (--data=toy, 8 steps of
+# 64 samples x 64 tokens; bench/RESULTS.md): the format warm-up (lr 1e-2, every parameter) took the loss from 10.8
+# to 1.2 (one spike to 11.3); the server compiled its decode while the trainer warmed up (126-273 s); step 0
+# compiled for 207 s, later steps trained in 1.8-4 s, rollouts 1.7-5.2 s, sync 0.2-0.3 s, at most 77 GB.
 #   python train_grpo.py config/h200.py
 out_dir = 'out/h200'
 seed = 1337
@@ -17,8 +15,7 @@ dtype = 'bfloat16'
 compile = 'layers'  # each layer one inductor graph, in the trainer and the embedded server (kernels.compile_layers)
 
 # one GPU, so no PP/EP; micro-batches bound activation memory (128 samples / 16 = 8 per micro-batch)
-pp_size = 1
-ep_size = 1
+pp_size, ep_size = 1, 1
 n_microbatches = 16
 recompute = True  # ~2k-token samples x 4 mHC streams; spec §7.2 budgets ~80 GB for activations
 optimizer_offload = False  # fp32 master + Adam is ~39 GB, it fits

@@ -47,14 +47,14 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
     step's shapes: micro-batches of other sizes and lengths, padded as train_grpo pads them (a multiple of the
     window and the compress ratios), and the GRPO loss compile nothing after their first: the batch and length are
     symbolic from the first call (kernels._dynamic_batch_and_length)."""
-    import math
     import parallel
     from grpo import grpo_loss, make_microbatches
+    from kernels import length_multiple
     dev = "cuda" if CUDA else "cpu"
     m32 = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
                      SMALL.num_experts_per_tok, seed=4).set_kernels(True).to(dev)
     bf = copy.deepcopy(m32).set_dtype(torch.bfloat16)
-    pad_to = math.lcm(SMALL.sliding_window, *[r for r in SMALL.compress_ratios if r])  # train_grpo's, 128
+    pad_to = length_multiple(SMALL)  # train_grpo's, 128
     ids = torch.randint(0, SMALL.vocab_size, (2, 2 * pad_to), generator=torch.Generator().manual_seed(5)).to(dev)
 
     def run(m, recompute=None, ids=ids):
