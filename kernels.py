@@ -266,7 +266,7 @@ def compile_layers(backend="inductor", graphs=False):
     """`compile='layers'`: torch.compile a whole layer at a time, where the step is bound by launching small
     kernels. Block.forward (the trainer's layers and MTP), the head (Transformer.logits), the GRPO losses
     (grpo.grpo_loss, grpo.token_logprobs: 9.2 -> 3.5 ms forward+backward over bench_2b's 4096 x 129280 logits on an
-    H200 with grpo._TargetLogprob, bench/probe_loss.py), Engine._decode_layer (one decode step of a layer) and the engine's sampler
+    H200 with grpo._TargetLogprob, bench/probe_loss.py), KVCache.decode_layer (one decode step of a layer) and the engine's sampler
     (engine.sample_tokens) are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or learned
     router) share one compiled graph, since a module's parameters are inputs of the graph, not constants. The
     engine's prefill stays eager but for the head (one call per admitted batch). The first call of each kind
@@ -287,6 +287,7 @@ def compile_layers(backend="inductor", graphs=False):
     decode keeps the default mode: it captures CUDA graphs of its own."""
     import engine
     import grpo
+    import kv_cache
     import model_dsv4 as m
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
     # bench.py --compile=graphs keeps static shapes: a CUDA graph is recorded per shape anyway
@@ -301,7 +302,7 @@ def compile_layers(backend="inductor", graphs=False):
     # the losses over the vocabulary: log-softmax, gather and entropy fused into a pass or two over the fp32 logits,
     # where eager writes the [tokens, vocab] log-probabilities; the backward (grpo._TargetLogprob) one pass
     grpo.grpo_loss, grpo.token_logprobs = (trainer(f) for f in (grpo.grpo_loss, grpo.token_logprobs))
-    engine.Engine._decode_layer = torch.compile(engine.Engine._decode_layer, backend=backend)
+    kv_cache.KVCache.decode_layer = torch.compile(kv_cache.KVCache.decode_layer, backend=backend)
     engine.sample_tokens = torch.compile(engine.sample_tokens, backend=backend)  # the Gumbel noise: one kernel
 
 

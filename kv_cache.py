@@ -1,0 +1,153 @@
+"""
+The embedded engine's KV cache, and the model's two steps through it: prefill of a batch of prompts into sequence
+slots, and decode of one token per sequence. engine.py schedules requests, samples and replays decode as CUDA graphs;
+this file is the model's side.
+
+Per layer and per sequence slot the cache holds what DeepSeek-V4's attention reads:
+  - a ring buffer of the last `sliding_window` KV vectors (one shared K=V head) and their positions;
+  - for compressed layers, the compressed entries emitted so far (one per `ratio` tokens), and the
+    compressor's state: the kv/score rows of the current partial window and, for CSA's overlapping
+    windows, the previous window's first-half rows;
+  - for CSA layers the same again for the lightning indexer's own compressor.
+A prompt is prefilled with the training forward's functions; decode then feeds one token per step.
+Prefill followed by decode equals a full forward (tests/test_engine.py). Decode has no host sync, and with
+static=True fixed shapes (compressed caches are read whole, masked), so on a GPU each batch bucket's step is one
+CUDA graph.
+"""
+import torch
+
+from model_dsv4 import rope_cos_sin, sink_attention, top_k_mask
+
+
+class KVCache:
+    """Fixed-size buffers for max_batch sequence slots (see the module docstring), and the model's prefill and decode
+    through them. static: decode reads every compressed entry, masked (fixed shapes, for CUDA graphs and compiled
+    code); else only up to the longest sequence's."""
+    def __init__(self, model, max_batch, max_len, device, static=False):
+        a, dt = model.args, model.dtype
+        self.args, self.device, self.static = a, device, static
+        self.layers = []
+        for layer in model.layers.values():
+            attn, c = layer.attn, {}
+            c["win"] = torch.zeros(max_batch, a.sliding_window, a.head_dim, dtype=dt, device=device)
+            c["win_pos"] = torch.full((max_batch, a.sliding_window), -1, dtype=torch.long, device=device)
+            for name, comp in (("comp", attn.compressor), ("idx", attn.indexer.compressor if attn.indexer else None)):
+                if comp is None:
+                    continue
+                m, d, coff = comp.ratio, comp.head_dim, 2 if comp.overlap else 1
+                c[name] = torch.zeros(max_batch, max_len // m + 1, d, dtype=dt, device=device)  # entries
+                c[name + "_kv"] = torch.zeros(max_batch, m, coff * d, device=device)  # partial window, fp32
+                c[name + "_score"] = torch.zeros(max_batch, m, coff * d, device=device)
+                c[name + "_prev_kv"] = torch.zeros(max_batch, m, d, device=device)  # overlap: window before
+                c[name + "_prev_score"] = torch.full((max_batch, m, d), float("-inf"), device=device)
+            self.layers.append(c)
+
+    def reset(self, slot):
+        for c in self.layers:
+            c["win_pos"][slot] = -1
+            for k in c:
+                if k.endswith("_prev_score"):
+                    c[k][slot] = float("-inf")
+                elif k.endswith("_prev_kv"):
+                    c[k][slot] = 0
+
+    def copy(self, src, dst):
+        for c in self.layers:
+            for t in c.values():
+                t[dst] = t[src]
+
+
+    def prefill(self, model, slots, prompts):
+        """prompts: token lists, right-padded into one batch (causal: the pads never reach the real tokens)
+        -> fp32 logits [B, vocab] at each prompt's last position; fills each slot's cache from position 0."""
+        a = self.args
+        lengths = [len(p) for p in prompts]
+        ids = torch.tensor([p + [0] * (max(lengths) - len(p)) for p in prompts], device=self.device)
+        x = model.embed_streams(ids)
+        pos = torch.arange(ids.shape[1], device=self.device)
+        for layer, c in zip(model.layers.values(), self.layers):
+            h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
+            h = layer.attn_norm(h)
+            attn = layer.attn
+            # what decode needs from the prompt: the last window of KV, compressed entries, partial windows
+            cos, sin = rope_cos_sin(a, attn.ratio, pos)
+            kv = attn.window_kv(h, cos, sin)
+            comps = [(n, cp, cp(h, a), *cp.project(h)) for n, cp in (("comp", attn.compressor),
+                     ("idx", attn.indexer.compressor if attn.indexer else None)) if cp is not None]
+            for b, (slot, L) in enumerate(zip(slots, lengths)):
+                keep = pos[max(0, L - a.sliding_window):L]
+                c["win"][slot, keep % a.sliding_window] = kv[b, keep]
+                c["win_pos"][slot, keep % a.sliding_window] = keep
+                for name, comp, entries, ckv, score in comps:
+                    m, d, W = comp.ratio, comp.head_dim, L // comp.ratio
+                    c[name][slot, :W] = entries[b, :W]
+                    c[name + "_kv"][slot, :L - W * m], c[name + "_score"][slot, :L - W * m] = ckv[b, W * m:L], score[b, W * m:L]
+                    if comp.overlap and W:  # the last complete window's first-half rows, position bias added
+                        c[name + "_prev_kv"][slot] = ckv[b, (W - 1) * m:W * m, :d]
+                        c[name + "_prev_score"][slot] = (score[b, (W - 1) * m:W * m] + comp.ape)[:, :d]
+            x = layer.hc_post(attn(h), x, post, comb)
+            h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
+            x = layer.hc_post(layer.ffn(layer.ffn_norm(h), ids), x, post, comb)
+        last = torch.tensor(lengths, device=self.device) - 1
+        return model.logits(x[torch.arange(len(prompts), device=self.device), last][:, None])[:, 0]
+
+
+    def decode(self, model, slots, tokens, pos):
+        """One token per sequence: slots, tokens, pos int64 [B] on the device -> fp32 logits [B, vocab]."""
+        x = model.embed_streams(tokens[:, None])  # [B, 1, n, D]
+        for layer, c in zip(model.layers.values(), self.layers):
+            x = self.decode_layer(layer, c, x, slots, tokens, pos)
+        return model.logits(x)[:, 0]
+
+    def decode_layer(self, layer, c, x, slots, tokens, pos):
+        # one Block.forward for one token per sequence, reading and writing the layer's cache c
+        # (kernels.compile_layers compiles this: layers of one kind share the compiled code)
+        h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
+        x = layer.hc_post(self._attn_decode(layer.attn, layer.attn_norm(h), c, slots, pos), x, post, comb)
+        h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
+        return layer.hc_post(layer.ffn(layer.ffn_norm(h), tokens[:, None]), x, post, comb)
+
+    def _compressor_step(self, comp, h, c, name, slots, pos):
+        """Add one token's kv/score row to its partial window; when the window completes, pool it into a
+        new compressed entry (RoPE at the window's first position) and roll the overlap state.
+        Every row is pooled and the result kept only where the window is complete: no host sync, fixed shapes."""
+        m, d = comp.ratio, comp.head_dim
+        kv, score = comp.project(h[:, 0])  # [B, coff*d]
+        j = pos % m
+        c[name + "_kv"][slots, j], c[name + "_score"][slots, j] = kv, score
+        full = (j == m - 1)[:, None]
+        st_kv, st_score = c[name + "_kv"][slots], c[name + "_score"][slots]  # [B, m, coff*d]
+        prev_kv, prev_score = c[name + "_prev_kv"][slots], c[name + "_prev_score"][slots]
+        pooled = comp.pool(st_kv[:, None], st_score[:, None], prev_kv, prev_score)
+        entry = comp.finish(pooled, self.args, (pos + 1 - m)[:, None])[:, 0]
+        c[name][slots, pos // m] = torch.where(full, entry, c[name][slots, pos // m])
+        if comp.overlap:
+            c[name + "_prev_kv"][slots] = torch.where(full[:, None], st_kv[..., :d], prev_kv)
+            c[name + "_prev_score"][slots] = torch.where(full[:, None], (st_score + comp.ape)[..., :d], prev_score)
+
+    def _attn_decode(self, attn, h, c, slots, pos):
+        a = self.args
+        cos, sin = rope_cos_sin(a, attn.ratio, pos[:, None])  # [B, 1, rd/2]: each sequence at its own position
+        q, qr = attn.query(h, cos, sin)
+        W = a.sliding_window
+        c["win"][slots, pos % W] = attn.window_kv(h, cos, sin)[:, 0]
+        c["win_pos"][slots, pos % W] = pos
+        keys, wpos = c["win"][slots], c["win_pos"][slots]  # [B, W, d], [B, W]
+        mask = ((wpos >= 0) & (wpos > pos[:, None] - W) & (wpos <= pos[:, None]))[:, None]  # [B, 1, W]
+        if attn.ratio:
+            self._compressor_step(attn.compressor, h, c, "comp", slots, pos)
+            n_vis = (pos + 1) // attn.ratio  # entries whose whole window is at or before pos
+            # CUDA graphs and compiled code want fixed shapes: every cache entry, masked; eager reads up to the
+            # longest sequence's
+            static = self.static or torch.compiler.is_compiling()
+            S = c["comp"].shape[1] if static else max(int(n_vis.max()), 1)
+            visible = torch.arange(S, device=pos.device)[None] < n_vis[:, None]  # [B, S]
+            if attn.indexer is not None:
+                self._compressor_step(attn.indexer.compressor, h, c, "idx", slots, pos)
+                score = attn.indexer.scores(h, qr, c["idx"][slots, :S], cos, sin)[:, 0]  # [B, S]
+                score = score.masked_fill(~visible, float("-inf"))
+                visible = visible & top_k_mask(score, attn.indexer.topk)
+            keys = torch.cat([keys, c["comp"][slots, :S]], dim=1)
+            mask = torch.cat([mask, visible[:, None]], dim=-1)
+        o = sink_attention(q, keys, mask, attn.attn_sink, attn.softmax_scale)
+        return attn.output(o, cos, sin)
