@@ -56,7 +56,6 @@ class KVCache:
             for t in c.values():
                 t[dst] = t[src]
 
-
     def prefill(self, model, slots, prompts):
         """prompts: token lists, right-padded into one batch (causal: the pads never reach the real tokens)
         -> fp32 logits [B, vocab] at each prompt's last position; fills each slot's cache from position 0."""

@@ -1,8 +1,8 @@
 """
 Hand-written parallelism on torch.distributed: one rank grid, pipeline parallel (1F1B and the
 all-forward-all-backward reference), expert parallel (dispatch/combine live next to MoE in model_dsv4.py),
-data-parallel gradient reduction, global grad-norm clipping, activation recompute and a host-memory
-optimizer. Tensor parallel is fixed at 1, as in the seed run (TP-heavy layouts deadlocked in RCCL).
+data-parallel gradient reduction, global grad-norm clipping and activation recompute (the host-memory
+optimizer: optimizer.py). Tensor parallel is fixed at 1, as in the seed run (TP-heavy layouts deadlocked in RCCL).
 
 One code path for CPU/gloo and GPU/NCCL (RCCL on ROCm): a group of size 1 skips communication, and
 world size 1 runs the same functions without a process group.
@@ -336,7 +336,7 @@ def forward_only(model, grid, microbatches, fn):
 
 
 # -----------------------------------------------------------------------------
-# gradients and the optimizer
+# gradients, then the optimizer's step (optimizer.AdamW)
 
 def reduce_grads(model, grid):
     """Sum gradients over the ranks that hold copies of the same parameter:
@@ -371,44 +371,6 @@ def clip_grad_norm(model, grid, max_norm):
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.dtype))
     return norm.item()
-
-
-class AdamW:
-    """AdamW on fp32 master copies of the parameters, which live on the device or, with offload=True, in
-    host memory (the moments too; the step runs on the CPU and the new weights are copied back)."""
-    def __init__(self, params, lr, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8, offload=False):
-        self.params = [p for p in params if p.requires_grad]
-        home = torch.device("cpu") if offload else None
-        self.master = [p.detach().to(device=home or p.device, dtype=torch.float32, copy=True) for p in self.params]
-        decay = [m for m, p in zip(self.master, self.params) if p.dim() >= 2]  # matrices decay; norms, biases don't
-        no_decay = [m for m, p in zip(self.master, self.params) if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
-
-    @property
-    def param_groups(self):
-        return self.opt.param_groups
-
-    @torch.no_grad()
-    def step(self):
-        for p, m in zip(self.params, self.master):
-            m.grad = p.grad.to(device=m.device, dtype=torch.float32) if p.grad is not None else None
-        self.opt.step()
-        for p, m in zip(self.params, self.master):
-            p.copy_(m.to(p.device, non_blocking=True))
-            m.grad = None
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    def state_dict(self):
-        return {"opt": self.opt.state_dict(), "master": [m.cpu() for m in self.master]}
-
-    def load_state_dict(self, sd):
-        self.opt.load_state_dict(sd["opt"])
-        for m, saved in zip(self.master, sd["master"]):
-            m.copy_(saved)
 
 
 def train_step(model, grid, opt, microbatches, loss_fn, grad_clip=1.0, schedule="1f1b", recompute=False):

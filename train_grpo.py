@@ -46,6 +46,7 @@ import grpo  # its losses are looked up there: compile='layers' swaps them for c
 from grpo import group_advantages, keep_group, make_microbatches
 from checkpoint import load_weights
 from model_dsv4 import ModelArgs
+from optimizer import AdamW
 from rollout import RolloutClient
 from tasks import format_warmup_batch, load_tokenizer, prompt_ids, toy_problems
 
@@ -196,7 +197,7 @@ IO = ('embed.', 'head.', 'norm.', 'hc_head_')
 for name, p in model.named_parameters():  # MTP is not trained here; the router optionally frozen
     p.requires_grad_(not name.startswith('mtp.') and not (freeze_router and name.endswith('gate.weight'))
                      and (trainable == 'all' or name.startswith(IO)))
-new_optimizer = lambda: parallel.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, offload=optimizer_offload)
+new_optimizer = lambda: AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, offload=optimizer_offload)
 opt = new_optimizer()
 n_params = sum(p.numel() for p in model.parameters())
 print0(f"rank 0 holds {n_params / 1e6:.1f}M parameters, trains {sum(p.numel() for p in opt.params) / 1e6:.1f}M ({trainable})")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import parallel  # noqa: E402
 from model_dsv4 import ModelArgs  # noqa: E402
+from optimizer import AdamW  # noqa: E402
 
 # every mechanism, small enough for 4 processes on 2 cores: window, CSA (ratio 4, indexer) and HCA layers,
 # hash routing on the first two (so stage 1 of PP4 holds one), an MTP layer on the last stage
@@ -46,7 +47,7 @@ def run(grid, n_micro, schedule, recompute=False, offload=False):
     """STEPS optimizer steps; returns (global loss and grad norm per step, this rank's state dict).
     The grad norm is checked too because AdamW's update is blind to the scale of the gradient."""
     model = parallel.build_stage(ModelArgs(**ARGS), grid, dtype=torch.float32, seed=7)
-    opt = parallel.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, offload=offload)
+    opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, offload=offload)
     losses = []
     for step in range(STEPS):
         mbs = microbatches(global_batch(step), n_micro, grid.dp_rank, grid.dp_size)
