@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import grpo
+import parallel
 from checkpoint import save_pretrained
 from model_dsv4 import ModelArgs, Transformer
 
@@ -55,7 +56,7 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def time_train(model, ids, logits_of, loss_of, steps, warmup, device):
+def time_train(model, ids, loss_of, steps, warmup, device):
     """(seconds per forward+backward of a next-token loss, seconds the host took to issue it), medians over steps.
     When the two are close the host bounds the step (it launches kernels or graphs slower than the device runs
     them), and the device waits between kernels."""
@@ -64,7 +65,7 @@ def time_train(model, ids, logits_of, loss_of, steps, warmup, device):
         sync(device)
         t0 = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()  # a new step for compile's CUDA graphs (mode="reduce-overhead")
-        loss_of(logits_of(model, ids), ids).backward()
+        loss_of(model, ids).backward()
         model.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
         sync(device)
@@ -296,7 +297,7 @@ def bench_sync(args, dtype, device, versions):
     device), on CUDA one device-to-device copy, and for the distributed rows a plain broadcast to another process
     (gloo on the CPU; NCCL to the server's GPU)."""
     import subprocess, sys
-    import parallel, weight_sync as wsync
+    import weight_sync as wsync
     from quant import quantize_tensor
     from rollout import RolloutClient
     with torch.device("meta"):  # then materialised in dtype: no fp32 copy of a big model on the way
@@ -411,19 +412,22 @@ if __name__ == "__main__":
     # transformers keeps its mHC parameters in fp32 and feeds their fp32 output to bf16 linears, which fails
     # without autocast; it gets autocast in bf16 runs (a mixed-precision peer, as it would be trained)
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    # the loss: ours is the trainer's (grpo.token_logprobs, compiled by --compile=layers/graphs as in training),
-    # transformers' its usual cross-entropy; the same mean next-token loss
+    # the loss: ours is the trainer's last stage (parallel.head_loss with grpo.token_logprobs, compiled by
+    # --compile=layers/graphs as in training), transformers' its usual cross-entropy; the same mean next-token loss
     # (on every position, the last one's target a dummy, dropped from the mean: as the trainer masks; slicing the
     # [B, T, vocab] logits first would cost a copy of them in the backward)
-    ours_loss = lambda logits, x: -grpo.token_logprobs(logits, {"tgt": x.roll(-1, 1)})[:, :-1].mean()
-    ref_loss = lambda logits, x: F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
-    for name, model, fn, loss_of in (("nano-dsv4-rl", ours, lambda m, x: m(x), ours_loss),
-                                     ("transformers", ref, lambda m, x: m(x).logits, ref_loss)):
+    next_token = lambda logits, mb: -grpo.token_logprobs(logits, mb)[:, :-1].mean()
+
+    def ours_loss(m, x):
+        with m.numerics():
+            return parallel.head_loss(m, parallel.stage_forward(m, None, x), {"tgt": x.roll(-1, 1)}, next_token)
+    ref_loss = lambda m, x: F.cross_entropy(m(x).logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
+    for name, model, loss_of in (("nano-dsv4-rl", ours, ours_loss), ("transformers", ref, ref_loss)):
         cuda = device.type == "cuda"
         base = torch.cuda.memory_allocated() if cuda else 0
         torch.cuda.reset_peak_memory_stats() if cuda else None
         with amp if name == "transformers" else contextlib.nullcontext():
-            t, host = time_train(model, ids, fn, loss_of, cli.steps, cli.warmup, device)
+            t, host = time_train(model, ids, loss_of, cli.steps, cli.warmup, device)
         results[name] = t
         mem = f", {(torch.cuda.max_memory_allocated() - base) / 1e9:.1f} GB over its start" if cuda else ""
         print(f"  {name:14s} {n_tok / t:10.0f} tokens/s   ({t * 1e3:.0f} ms/step)   MFU {flops / t / peak:.1%}   "
@@ -433,7 +437,7 @@ if __name__ == "__main__":
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=acts, record_shapes=bool(cli.trace), with_stack=bool(cli.trace)) as prof:
-            wall = time_train(ours, ids, lambda m, x: m(x), ours_loss, 1, 0, device)[0]
+            wall = time_train(ours, ids, ours_loss, 1, 0, device)[0]
         print_profile(prof, device, wall)
         if cli.trace:
             prof.export_chrome_trace(cli.trace)

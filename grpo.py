@@ -65,6 +65,9 @@ class _TargetLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         logits, tgt, lse = ctx.saved_tensors
+        if torch.compiler.is_compiling():  # pointwise, the same sums: fuses with what reads it (head_loss's cast)
+            hit = torch.arange(logits.shape[-1], device=logits.device) == tgt[..., None]
+            return (logits - lse).exp() * -g[..., None] + torch.where(hit, g[..., None], 0.0), None
         grad = (logits - lse).exp_().mul_(-g[..., None])  # in place: eager makes one [..., V] tensor, not five
         return grad.scatter_add_(-1, tgt[..., None], g[..., None]), None
 

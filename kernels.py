@@ -289,6 +289,7 @@ def compile_layers(backend="inductor", graphs=False):
     import grpo
     import kv_cache
     import model_dsv4 as m
+    import parallel
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
     # bench.py --compile=graphs keeps static shapes: a CUDA graph is recorded per shape anyway
     trainer = (lambda f: torch.compile(f, backend=backend)) if graphs else \
@@ -302,6 +303,8 @@ def compile_layers(backend="inductor", graphs=False):
     # the losses over the vocabulary: log-softmax, gather and entropy fused into a pass or two over the fp32 logits,
     # where eager writes the [tokens, vocab] log-probabilities; the backward (grpo._TargetLogprob) one pass
     grpo.grpo_loss, grpo.token_logprobs = (trainer(f) for f in (grpo.grpo_loss, grpo.token_logprobs))
+    # the trainer's last stage: the head and a loss in one graph (parallel.head_loss; the two above inline into it)
+    parallel.head_loss = trainer(parallel.head_loss)
     kv_cache.KVCache.decode_layer = torch.compile(kv_cache.KVCache.decode_layer, backend=backend)
     engine.sample_tokens = torch.compile(engine.sample_tokens, backend=backend)  # the Gumbel noise: one kernel
 

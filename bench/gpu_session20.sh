@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Prepared in session 19 for the next H200 call (not yet run): after the engine's KV cache and its prefill/decode
-# moved to kv_cache.py (KVCache.decode_layer now the compiled function), the GPU tests of the engine's fast paths
-# (CUDA graphs, stacked experts, compiled decode and warm-up: inductor), then decode at batch 64 against session
-# 19's 5.48 ms a step. Output: $OUT/log.txt, results.txt, logs.tar.xz, new.txz.*
+# Session 20, call 1: the trainer's last stage as one compiled graph (parallel.head_loss: the head's GEMM and the
+# loss, the logits' gradient cast to bf16 inside the loss's backward kernel) timed against session 19's 64 ms, with
+# the step's top kernels; its GPU test (inductor, bf16); then the GPU tests of the engine's fast paths after the KV
+# cache moved to kv_cache.py (CUDA graphs, stacked experts, compiled decode and warm-up).
+# Output: $OUT/log.txt, results.txt, logs.tar.xz, new.txz.*
 source bench/gpu_prelude.sh
-step tests 240 python -m pytest -v -p no:cacheprovider tests/test_kernels_engine.py tests/test_compile_engine.py
-step decode 200 python bench.py --what=decode --model=$B2 --seq=32 --batch=64 --new_tokens=1024 --dtype=bfloat16 --compile=layers
+step train 230 python bench.py --model=$B2 --seq=4096 --batch=1 --dtype=bfloat16 --steps=6 --warmup=2 --compile=graphs --profile
+step headloss 90 python -m pytest -q -p no:cacheprovider tests/test_compile.py::test_compiled_head_loss_equals_eager
+step tests 200 python -m pytest -v -p no:cacheprovider tests/test_kernels_engine.py tests/test_compile_engine.py
 (cd /tmp/ind && find . -type f -newer $O/log.txt | tar c -T - | xz -T0 -1 | split -b 15M - $O/new.txz.)
-cd $O && cat log.txt tests.txt decode.txt > results.txt && tar c *.raw | xz > logs.tar.xz && rm -f *.raw tests.txt decode.txt
-grep -v "^ *$" results.txt | tail -60
+cd $O && cat log.txt train.txt headloss.txt tests.txt > results.txt && tar c *.raw | xz > logs.tar.xz && rm -f *.raw train.txt headloss.txt tests.txt
+grep -v "^ *$" results.txt | tail -80

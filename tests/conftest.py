@@ -65,8 +65,9 @@ def compile_layers():
     import kernels
     import kv_cache
     import model_dsv4
+    import parallel
     saved = (model_dsv4.Block.forward, model_dsv4.Transformer.logits, kv_cache.KVCache.decode_layer, engine.sample_tokens,
-             grpo.grpo_loss, grpo.token_logprobs)
+             grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss)
 
     def on(graphs=False):
         torch._dynamo.reset()
@@ -74,7 +75,7 @@ def compile_layers():
         return torch._dynamo.utils.counters
     yield on
     (model_dsv4.Block.forward, model_dsv4.Transformer.logits, kv_cache.KVCache.decode_layer, engine.sample_tokens,
-     grpo.grpo_loss, grpo.token_logprobs) = saved
+     grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss) = saved
     torch._dynamo.reset()
 
 

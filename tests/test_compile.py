@@ -31,9 +31,10 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
     pad_to = length_multiple(SMALL)  # train_grpo's, 128
     ids = torch.randint(0, SMALL.vocab_size, (2, 2 * pad_to), generator=torch.Generator().manual_seed(5)).to(dev)
 
-    def run(m, recompute=None, ids=ids):
-        logits = m(ids) if recompute is None else parallel.stage_forward(m, None, ids, recompute)
-        logits.log_softmax(-1)[..., 3].mean().backward()
+    def run(m, recompute=False, ids=ids):  # the trainer's stage and its last stage's head_loss
+        probe = lambda lg, mb: (lg.log_softmax(-1)[..., 3].mean(), lg.detach())
+        loss, logits = parallel.head_loss(m, parallel.stage_forward(m, None, ids, recompute), None, probe)
+        loss.backward()
         grads = torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
         m.zero_grad()
         return logits.detach().float(), grads
@@ -148,3 +149,40 @@ def test_compiled_grpo_losses_equal_eager(compile_layers):
         torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-7)
         assert m1.keys() == m0.keys() and all(torch.allclose(m1[k].float(), m0[k].float(), rtol=1e-5, atol=1e-5) for k in m0)
     assert counters["stats"]["unique_graphs"] >= 2  # both ran compiled, whole (no graph break: explain() says none)
+
+
+def test_compiled_head_loss_equals_eager(compile_layers):
+    """parallel.head_loss, the trainer's last stage (the head's GEMM and the GRPO loss over the vocabulary), compiled
+    as one graph without a break: loss, metrics and the gradients of the streams and the head's parameters as
+    eager's (bf16 on a GPU, where the logits' gradient reaches the head's GEMMs in bf16 from the loss's own kernel;
+    fp32 on the CPU). The old-policy logprobs (forward_only's head_loss with grpo.token_logprobs) too."""
+    import grpo
+    import parallel
+    dev, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+    m = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
+                   SMALL.num_experts_per_tok, seed=4).set_kernels(True).set_dtype(dtype).to(dev)
+    g = torch.Generator().manual_seed(8)
+    B, T, V = 2, 48, SMALL.vocab_size
+    x0 = torch.randn(B, T, SMALL.hc_mult, SMALL.hidden_size, generator=g).to(dev, dtype)
+    mb = {"tgt": torch.randint(0, V, (B, T), generator=g), "mask": torch.rand(B, T, generator=g) < 0.8,
+          "adv": torch.randn(B, 1, generator=g).expand(B, T), "rollout_lp": -torch.rand(B, T, generator=g) * 3,
+          "weight": torch.full((B, T), 0.01), "first": torch.zeros(B, T, dtype=torch.bool)}
+    mb = {k: v.to(dev) for k, v in mb.items()}
+    params = [m.head.weight, m.hc_head_fn, m.norm.weight]
+
+    def run():
+        x = x0.clone().requires_grad_()
+        loss, metrics = parallel.head_loss(m, x, mb, lambda lg, mb: grpo.grpo_loss(lg, mb, entropy_coef=0.0))
+        grads = torch.autograd.grad(loss, [x] + params)
+        with torch.no_grad():
+            lp = parallel.head_loss(m, x0, mb, grpo.token_logprobs)
+        return [loss, lp, *grads], metrics
+    eager, eager_metrics = run()
+    counters = compile_layers()
+    counters.clear()  # dynamo's counters outlive its reset: this test's own
+    compiled, metrics = run()
+    assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]  # compiled, whole
+    for c, e in zip(compiled, eager):
+        assert (c.float() - e.float()).norm() <= (2e-2 if CUDA else 1e-5) * e.float().norm() + 1e-6
+    assert metrics.keys() == eager_metrics.keys()
+    assert all(torch.allclose(metrics[k].float(), eager_metrics[k].float(), rtol=1e-3, atol=1e-4) for k in metrics)
