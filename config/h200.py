@@ -1,9 +1,9 @@
 # One H200 (141 GB): the bench_2b model (2.43B total, 0.79B active; spec §7.2) from scratch, with the embedded
 # rollout server on the same GPU: step time and memory at real V4 shapes (head_dim 512, ratios 4/128, real vocab);
-# a random model scores ~0 on math, so read t_roll/t_train/mfu, not reward. Session 19 (--data=toy, 6 steps of
-# 64 samples x 64 tokens; bench/RESULTS.md): the format warm-up (lr 1e-2, every parameter) took the loss from 13.1
-# to ~1 (one gradient norm of 91); the server compiled its decode while the trainer warmed up (103 s, 273-332 s
-# cold); steps trained in 2.8-8 s (the first too), rollouts 1.6-7.4 s, sync 0.2 s, at most 77 GB.
+# a random model scores ~0 on math, so read t_roll/t_train/mfu, not reward. Sessions 19-20 (--data=toy, 6 steps of
+# 64 samples x 64 tokens; bench/RESULTS.md): the format warm-up (lr 1e-2, every parameter) took the loss from ~13
+# to ~1; the server compiled its decode while the trainer warmed up (103 s, 273-332 s cold); steps trained in
+# 2.5-12 s (the first compiling), rollouts 1.3-8.2 s, sync 0.2 s, at most 77 GB.
 #   python train_grpo.py config/h200.py
 out_dir = 'out/h200'
 seed = 1337
