@@ -16,6 +16,7 @@ import faulthandler
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -101,10 +102,30 @@ def report_nonfinite(step, m, mbs, model, rank, out_dir, say_grads):
               f"non-finite gradients in {len(bad)} tensors here, e.g. {bad[:4]}", flush=True)
 
 
+def save_checkpoint(out_dir, step, save_weights, state, grid, config, keep):
+    """out_dir/ckpt_{step}: the weights (save_weights(dir), every rank), each rank's trainer state (optimizer, RNG,
+    data cursor) and meta.json, written into ckpt_{step}.tmp and renamed once all are in; then all but the newest
+    `keep` complete checkpoints and any unfinished .tmp are removed."""
+    import parallel
+    final = os.path.join(out_dir, f"ckpt_{step:06d}")
+    tmp = final + ".tmp"
+    save_weights(tmp)
+    torch.save(state, os.path.join(tmp, f"trainer_rank{grid.rank:05d}-of-{grid.world_size:05d}.pt"))
+    parallel.barrier(grid.world_group, f"checkpoint {step} written")
+    if grid.rank == 0:
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({"step": step, "world_size": grid.world_size, "config": config}, f, indent=1)
+        os.replace(tmp, final)
+        old = checkpoints(out_dir)[0][:-keep] + [d for d in os.listdir(out_dir) if d.endswith(".tmp")]  # crashes' too
+        for d in old:
+            shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
+    parallel.barrier(grid.world_group, f"checkpoint {step} renamed")
+
+
 def checkpoints(out_dir):
-    """(complete checkpoints, incomplete ones) in out_dir, sorted. train_grpo.save_checkpoint writes ckpt_N.tmp and
-    renames it once every rank's file and meta.json (the last file) are in: a .tmp or a directory without
-    meta.json is a write that did not finish (a crash, a kill -9), never a resume point."""
+    """(complete checkpoints, incomplete ones) in out_dir, sorted. save_checkpoint writes ckpt_N.tmp and renames it
+    once every rank's file and meta.json (the last file) are in: a .tmp or a directory without meta.json is a
+    write that did not finish (a crash, a kill -9), never a resume point."""
     names = sorted(d for d in os.listdir(out_dir) if d.startswith("ckpt_")) if os.path.isdir(out_dir) else []
     done = [d for d in names if re.fullmatch(r"ckpt_\d+", d) and os.path.exists(os.path.join(out_dir, d, "meta.json"))]
     return done, [d for d in names if d not in done]

@@ -1,11 +1,16 @@
 """
 The GRPO pieces train_grpo.py uses, as pure functions so tests can check them: group-normalised advantages,
-the dynamic-sampling filter, micro-batch construction with the loss weights, and the token loss.
+the dynamic-sampling filter, micro-batch construction with the loss weights, and the token loss; then the step's
+rollout and training metrics, summed over the DP ranks.
 RESEARCH: this is the file to fork for another policy-gradient variant.
 """
 import contextlib
+import math
 
 import torch
+import torch.distributed as dist
+
+import parallel
 
 
 def group_advantages(rewards):
@@ -106,3 +111,38 @@ def grpo_loss(logits, mb, eps_low=0.2, eps_high=0.28, tis_cap=2.0, kl_coef=0.0, 
                       "entropy": (-neg_entropy * m).sum(), "lp_diff": diff.sum(), "lp_diff_max": diff.max(),
                       "lp_diff_first": (diff * mb["first"]).sum(), "n_first": mb["first"].sum(), "tis": (tis * m).sum(),
                       "ratio_dev": ((ratio - 1).abs() * m).sum()}
+
+
+def rollout_metrics(rstats, version, grid):
+    """The step's rollouts (rollout_groups' stats: samples, groups drawn and kept), summed over the DP ranks: reward
+    mean and std, accuracy, response lengths, truncation, kept groups, samples from weights other than `version`."""
+    samples = rstats["samples"]
+    rw = torch.tensor([s["reward"] for s in samples])
+    lens = torch.tensor([float(len(s["output_ids"])) for s in samples])
+    t = torch.tensor([rw.sum(), (rw ** 2).sum(), sum(s["correct"] for s in samples), len(samples), lens.sum(),
+                      sum(s["finish_reason"]["type"] == "length" for s in samples), rstats["groups"], rstats["kept"],
+                      sum(s["weight_version"] != str(version) for s in samples)], device=grid.device, dtype=torch.float64)
+    mx = torch.tensor([lens.max().item() if len(lens) else 0.0], device=grid.device)
+    parallel.all_reduce(t, grid.dp_group, "rollout metrics")
+    parallel.all_reduce(mx, grid.dp_group, "rollout length max", op=dist.ReduceOp.MAX)
+    s = dict(zip(("r", "r2", "correct", "n", "tokens", "truncated", "groups", "kept", "stale"), t.tolist()))
+    n = max(s["n"], 1)
+    return {"reward_mean": s["r"] / n, "reward_std": math.sqrt(max(s["r2"] / n - (s["r"] / n) ** 2, 0)),
+            "accuracy": s["correct"] / n, "response_len_mean": s["tokens"] / n, "response_len_max": mx.item(),
+            "response_tokens": s["tokens"], "truncation_rate": s["truncated"] / n,
+            "kept_group_ratio": s["kept"] / max(s["groups"], 1), "stale_samples": int(s["stale"])}
+
+
+def train_metrics(m, grid):
+    """parallel.train_step's metric sums on the last stages, summed over DP (max for maxima) -> means per token."""
+    keys = sorted(k for k in m if k not in ("grad_norm", "skipped", "nonfinite"))
+    t = torch.tensor([float(m.get(k, 0.0)) for k in keys], device=grid.device)
+    mx = torch.tensor([float(m.get("lp_diff_max", 0.0))], device=grid.device)
+    parallel.all_reduce(t, grid.dp_group, "metrics")
+    parallel.all_reduce(mx, grid.dp_group, "metrics max", op=dist.ReduceOp.MAX)
+    s = dict(zip(keys, t.tolist()))
+    n = max(s.get("n_tok", 0), 1)
+    return {"loss": s.get("loss", 0), "pg_clipfrac": s.get("clip", 0) / n, "approx_kl": s.get("kl", 0) / n,
+            "entropy": s.get("entropy", 0) / n, "logprob_abs_diff": s.get("lp_diff", 0) / n,
+            "logprob_abs_diff_max": mx.item(), "logprob_abs_diff_first": s.get("lp_diff_first", 0) / max(s.get("n_first", 0), 1),
+            "tis_mean": s.get("tis", 0) / n, "ratio_abs_dev": s.get("ratio_dev", 0) / n, "train_tokens": s.get("n_tok", 0)}

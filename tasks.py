@@ -20,6 +20,7 @@ advantages, the clipped loss, the optimizer, weight sync) is the one the real ru
 """
 import os
 import random
+import time
 
 
 class ByteTokenizer:
@@ -83,3 +84,28 @@ def format_warmup_batch(tokenizer, problems, rng):
     """(prompt ids, response ids) pairs teaching the answer format with a random digit: no answers are learnt."""
     return [(prompt_ids(tokenizer, p["prompt"]), tokenizer.encode(f"Answer: {rng.randrange(10)}") + [tokenizer.eos_id])
             for p in problems]
+
+
+def format_warmup(model, grid, opt, tokenizer, problems, steps, lr, seed, train, say):
+    """The toy task's supervised warm-up: `steps` steps of 16 prompts a DP rank, each with 'Answer: <random digit>'
+    as its response (format_warmup_batch), at learning rate lr; train: make_microbatches' and train_step's
+    settings (loss_agg, pad_to, grad_clip, recompute). say: this rank prints every fifth step."""
+    import grpo
+    import parallel
+    rng = random.Random(seed + grid.dp_rank)
+    if grid.rank == 0:
+        print(f"format warm-up: {steps} supervised steps on 'Answer: <random digit>' (teaches the format, not the "
+              f"answers), lr {lr}", flush=True)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    loss_fn = lambda lg, mb: -(grpo.token_logprobs(lg, mb) * mb["weight"] * mb["mask"]).sum()
+    for i in range(steps):
+        pairs = format_warmup_batch(tokenizer, rng.choices(problems, k=16), rng)
+        groups = [(p, [{"output_ids": r, "logprobs": [0.0] * len(r)}], [1.0]) for p, r in pairs]
+        mbs = grpo.make_microbatches(groups, 2, float(len(pairs) * grid.dp_size), train["loss_agg"], grid.device,
+                                     train["pad_to"])
+        t = time.time()
+        m = parallel.train_step(model, grid, opt, mbs, loss_fn, train["grad_clip"], recompute=train["recompute"])
+        if say and (i % 5 == 4 or i + 1 == steps):  # the first steps' time includes compiling
+            print(f"format warm-up {i + 1}/{steps} | loss {m.get('loss', 0.0):.3f} (dp rank 0) | "
+                  f"gnorm {m['grad_norm']:.2f} | {time.time() - t:.2f}s", flush=True)

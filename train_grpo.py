@@ -27,7 +27,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -48,7 +47,7 @@ from checkpoint import load_weights
 from model_dsv4 import ModelArgs
 from optimizer import AdamW
 from rollout import RolloutClient
-from tasks import format_warmup_batch, load_tokenizer, prompt_ids, toy_problems
+from tasks import format_warmup, load_tokenizer, prompt_ids, toy_problems
 
 # -----------------------------------------------------------------------------
 # config: every default, then config/*.py and --key=value overrides (configurator.py)
@@ -338,40 +337,14 @@ def rollout_step(step):
     return None, err
 
 
-def reduce_metrics(m):
-    """Sum the last stages' metrics over DP (max for maxima); returns means per token / sample."""
-    keys = sorted(k for k in m if k not in ('grad_norm', 'skipped', 'nonfinite'))
-    t = torch.tensor([float(m.get(k, 0.0)) for k in keys], device=grid.device)
-    mx = torch.tensor([float(m.get('lp_diff_max', 0.0))], device=grid.device)
-    parallel.all_reduce(t, grid.dp_group, 'metrics')
-    parallel.all_reduce(mx, grid.dp_group, 'metrics max', op=dist.ReduceOp.MAX)
-    s = dict(zip(keys, t.tolist()))
-    n = max(s.get('n_tok', 0), 1)
-    return {'loss': s.get('loss', 0), 'pg_clipfrac': s.get('clip', 0) / n, 'approx_kl': s.get('kl', 0) / n,
-            'entropy': s.get('entropy', 0) / n, 'logprob_abs_diff': s.get('lp_diff', 0) / n,
-            'logprob_abs_diff_max': mx.item(), 'logprob_abs_diff_first': s.get('lp_diff_first', 0) / max(s.get('n_first', 0), 1),
-            'tis_mean': s.get('tis', 0) / n, 'ratio_abs_dev': s.get('ratio_dev', 0) / n, 'train_tokens': s.get('n_tok', 0)}
-
-
 # -----------------------------------------------------------------------------
-# checkpoints: official-name safetensors + per-rank optimizer/RNG/cursor; written to a .tmp dir, then renamed
+# checkpoints: official-name safetensors + per-rank optimizer/RNG/cursor (faults.save_checkpoint: a .tmp dir, renamed)
 
 def save_checkpoint(step):
-    final = os.path.join(out_dir, f'ckpt_{step:06d}')
-    tmp = final + '.tmp'
-    wsync.save_weights(model, grid, tmp, args)
-    torch.save({'opt': opt.state_dict(), 'cursor': cursor, 'torch_rng': torch.get_rng_state(), 'step': step,
-                'py_rng': list(random.getstate()[1]), 'weight_version': weight_version},
-               os.path.join(tmp, f'trainer_rank{grid.rank:05d}-of-{grid.world_size:05d}.pt'))
-    parallel.barrier(grid.world_group, f'checkpoint {step} written')
-    if master:
-        with open(os.path.join(tmp, 'meta.json'), 'w') as f:
-            json.dump({'step': step, 'world_size': grid.world_size, 'config': config}, f, indent=1)
-        os.replace(tmp, final)
-        old = ckpt_dirs()[:-keep_checkpoints] + [d for d in os.listdir(out_dir) if d.endswith('.tmp')]  # crashes' too
-        for d in old:
-            shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
-    parallel.barrier(grid.world_group, f'checkpoint {step} renamed')
+    state = {'opt': opt.state_dict(), 'cursor': cursor, 'torch_rng': torch.get_rng_state(), 'step': step,
+             'py_rng': list(random.getstate()[1]), 'weight_version': weight_version}
+    faults.save_checkpoint(out_dir, step, lambda d: wsync.save_weights(model, grid, d, args), state, grid, config,
+                           keep_checkpoints)
 
 
 start_step = 0
@@ -435,22 +408,8 @@ def log(rec, line):
 
 
 if data == 'toy' and format_warmup_steps and start_step == 0:
-    rng = random.Random(seed + grid.dp_rank)
-    print0(f"format warm-up: {format_warmup_steps} supervised steps on 'Answer: <random digit>' (teaches the format, "
-           f"not the answers), lr {format_warmup_lr}")
-    for g in opt.param_groups:
-        g['lr'] = format_warmup_lr
-    for i in range(format_warmup_steps):
-        pairs = format_warmup_batch(tok, rng.choices(problems, k=16), rng)
-        groups = [(p, [{'output_ids': r, 'logprobs': [0.0] * len(r)}], [1.0]) for p, r in pairs]
-        norm = len(pairs) * grid.dp_size
-        mbs = make_microbatches(groups, 2, float(norm), loss_agg, grid.device, pad_to)
-        t_w = time.time()
-        m = parallel.train_step(model, grid, opt, mbs, lambda lg, mb: -(grpo.token_logprobs(lg, mb) * mb['weight'] * mb['mask']).sum(),
-                                grad_clip, recompute=recompute)
-        if is_logger and (i % 5 == 4 or i + 1 == format_warmup_steps):  # the first steps' time includes compiling
-            print(f"format warm-up {i + 1}/{format_warmup_steps} | loss {m.get('loss', 0.0):.3f} (dp rank 0) | "
-                  f"gnorm {m['grad_norm']:.2f} | {time.time() - t_w:.2f}s", flush=True)
+    format_warmup(model, grid, opt, tok, problems, format_warmup_steps, format_warmup_lr, seed, dict(
+        loss_agg=loss_agg, pad_to=pad_to, grad_clip=grad_clip, recompute=recompute), is_logger)
     opt = new_optimizer()  # GRPO starts with fresh moments
     sync_weights()
 elif resume_dir or model_dir or external:
@@ -477,19 +436,7 @@ for step in range(start_step, max_steps):
     groups = groups[:n_keep]  # every DP rank trains on the same number of samples
     t_roll = time.time() - t0
     rec = {'step': step, 'lr': lr_at(step), 'weight_version': weight_version}
-    samples = rstats['samples']
-    rw = torch.tensor([s['reward'] for s in samples])
-    lens = torch.tensor([float(len(s['output_ids'])) for s in samples])
-    roll = torch.tensor([rw.sum(), (rw ** 2).sum(), sum(s['correct'] for s in samples), len(samples), lens.sum(),
-                         lens.max(), sum(s['finish_reason']['type'] == 'length' for s in samples), rstats['groups'],
-                         rstats['kept'], sum(s['weight_version'] != str(weight_version) for s in samples)],
-                        device=grid.device, dtype=torch.float64)
-    parallel.all_reduce(roll, grid.dp_group, 'rollout metrics')
-    n = roll[3].item()
-    rec.update(reward_mean=roll[0].item() / n, reward_std=math.sqrt(max(roll[1].item() / n - (roll[0].item() / n) ** 2, 0)),
-               accuracy=roll[2].item() / n, response_len_mean=roll[4].item() / n, response_len_max=lens.max().item(),
-               truncation_rate=roll[6].item() / n, kept_group_ratio=roll[8].item() / max(roll[7].item(), 1),
-               stale_samples=int(roll[9].item()))
+    rec.update(grpo.rollout_metrics(rstats, weight_version, grid))
     t1, bad = time.time(), None
     if n_keep == 0:
         rec.update(skipped='no group with reward spread')
@@ -514,12 +461,12 @@ for step in range(start_step, max_steps):
                 bad = rec['skipped'] = (f"non-finite loss in micro-batch {[i for i, _ in m['nonfinite']]}" if m['nonfinite']
                                         else 'non-finite gradient norm' if not math.isfinite(m['grad_norm'])
                                         else 'non-finite loss on another rank')
-        rec.update(reduce_metrics(m) if grid.is_last_stage else {})
+        rec.update(grpo.train_metrics(m, grid) if grid.is_last_stage else {})
     t2 = time.time()
     sync_weights()
     t3 = time.time()
     rec.update(t_rollout=t_roll, t_train=t2 - t1, t_sync=t3 - t2, weight_version=weight_version, elapsed_s=t3 - t_start,
-               rollout_tok_s=roll[4].item() / max(t_roll, 1e-9), train_tok_s=rec.get('train_tokens', 0) / max(t2 - t1, 1e-9))
+               rollout_tok_s=rec['response_tokens'] / max(t_roll, 1e-9), train_tok_s=rec.get('train_tokens', 0) / max(t2 - t1, 1e-9))
     if eval_interval and (step + 1) % eval_interval == 0 and master:
         try:  # servers down: no eval this time, and the next step's rollout recovers them
             ev = evaluate(client, tok, eval_problems, eval_n_samples, dict(temperature=eval_temperature, top_p=eval_top_p,
