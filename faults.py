@@ -24,6 +24,8 @@ import time
 
 import torch
 
+import parallel
+
 
 class Watchdog:
     """arm(what) at the start of a step, disarm() at its end; off when seconds is 0."""
@@ -106,7 +108,6 @@ def save_checkpoint(out_dir, step, save_weights, state, grid, config, keep):
     """out_dir/ckpt_{step}: the weights (save_weights(dir), every rank), each rank's trainer state (optimizer, RNG,
     data cursor) and meta.json, written into ckpt_{step}.tmp and renamed once all are in; then all but the newest
     `keep` complete checkpoints and any unfinished .tmp are removed."""
-    import parallel
     final = os.path.join(out_dir, f"ckpt_{step:06d}")
     tmp = final + ".tmp"
     save_weights(tmp)

@@ -125,12 +125,12 @@ def rollout_metrics(rstats, version, grid):
     mx = torch.tensor([lens.max().item() if len(lens) else 0.0], device=grid.device)
     parallel.all_reduce(t, grid.dp_group, "rollout metrics")
     parallel.all_reduce(mx, grid.dp_group, "rollout length max", op=dist.ReduceOp.MAX)
-    s = dict(zip(("r", "r2", "correct", "n", "tokens", "truncated", "groups", "kept", "stale"), t.tolist()))
-    n = max(s["n"], 1)
-    return {"reward_mean": s["r"] / n, "reward_std": math.sqrt(max(s["r2"] / n - (s["r"] / n) ** 2, 0)),
-            "accuracy": s["correct"] / n, "response_len_mean": s["tokens"] / n, "response_len_max": mx.item(),
-            "response_tokens": s["tokens"], "truncation_rate": s["truncated"] / n,
-            "kept_group_ratio": s["kept"] / max(s["groups"], 1), "stale_samples": int(s["stale"])}
+    tot = dict(zip(("r", "r2", "correct", "n", "tokens", "truncated", "groups", "kept", "stale"), t.tolist()))
+    n = max(tot["n"], 1)
+    return {"reward_mean": tot["r"] / n, "reward_std": math.sqrt(max(tot["r2"] / n - (tot["r"] / n) ** 2, 0)),
+            "accuracy": tot["correct"] / n, "response_len_mean": tot["tokens"] / n, "response_len_max": mx.item(),
+            "response_tokens": tot["tokens"], "truncation_rate": tot["truncated"] / n,
+            "kept_group_ratio": tot["kept"] / max(tot["groups"], 1), "stale_samples": int(tot["stale"])}
 
 
 def train_metrics(m, grid):

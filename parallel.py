@@ -170,10 +170,9 @@ def build_stage(args: ModelArgs, grid: Grid, dtype=torch.float32, pp_layers=None
 
 
 def stage_forward(model, x, ids, recompute=False):
-    """x: [B, T, n, D] from the previous stage, or None on the first stage -> this stage's streams [B, T, n, D]
-    (the last stage's go on to head_loss). Every stage gets the micro-batch's token ids: hash-routed layers read
-    them, wherever they sit. The caller enters model.numerics() (path-invariant sums, set_invariant), so that the
-    head and the loss are inside too."""
+    """x: [B, T, n, D] from the previous stage, or None on the first -> this stage's streams (the last stage's go
+    on to head_loss). Every stage gets the token ids: hash-routed layers read them, wherever they sit. The caller
+    enters model.numerics() (set_invariant's sums), so that the head and the loss are inside too."""
     model.stack_experts()
     if x is None:
         x = model.embed_streams(ids)
@@ -185,10 +184,9 @@ def stage_forward(model, x, ids, recompute=False):
 
 
 def head_loss(model, x, mb, fn):
-    """The last stage's tail: fn(fp32 logits of the streams x, mb), the loss or the logprobs. One function, so that
-    compile_layers compiles the head's GEMM and the loss over the vocabulary as one graph: the loss's backward then
-    writes the logits' gradient in bf16 for the head's GEMMs, where two graphs wrote it in fp32 and then cast it
-    (bench_2b at 4096 tokens on an H200: 0.72 ms for the cast, session 19)."""
+    """The last stage's tail, fn(fp32 logits of the streams x, mb): one function, which compile_layers compiles as
+    one graph, so the loss's backward writes the logits' gradient in bf16 for the head's GEMMs (two graphs wrote it
+    in fp32, then cast it: 0.72 ms for bench_2b at 4096 tokens on an H200, session 19)."""
     return fn(model.logits(x), mb)
 
 
@@ -269,10 +267,9 @@ def _forward(model, grid, x, mb, loss_fn, recompute, metrics):
         if not grid.is_last_stage:
             return out
         loss = head_loss(model, out, mb, loss_fn)
-    if isinstance(loss, tuple):  # (loss, {name: value}) -> metrics summed over micro-batches
-        loss, extra = loss
-        for k, v in extra.items():  # summed over micro-batches; names ending in _max take the max
-            metrics[k] = max(metrics.get(k, 0.0), float(v)) if k.endswith("_max") else metrics.get(k, 0.0) + float(v)
+    loss, extra = loss if isinstance(loss, tuple) else (loss, {})  # (loss, {name: value}) or a loss
+    for k, v in extra.items():  # summed over micro-batches; names ending in _max take the max
+        metrics[k] = max(metrics.get(k, 0.0), float(v)) if k.endswith("_max") else metrics.get(k, 0.0) + float(v)
     metrics["loss"] = metrics.get("loss", 0.0) + loss.item()
     metrics.setdefault("mb_losses", []).append(loss.item())  # in micro-batch order: names a non-finite one
     return loss

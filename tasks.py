@@ -86,11 +86,11 @@ def format_warmup_batch(tokenizer, problems, rng):
             for p in problems]
 
 
-def format_warmup(model, grid, opt, tokenizer, problems, steps, lr, seed, train, say):
+def format_warmup(model, grid, opt, tokenizer, problems, steps, lr, seed, say, loss_agg, pad_to, grad_clip, recompute):
     """The toy task's supervised warm-up: `steps` steps of 16 prompts a DP rank, each with 'Answer: <random digit>'
-    as its response (format_warmup_batch), at learning rate lr; train: make_microbatches' and train_step's
-    settings (loss_agg, pad_to, grad_clip, recompute). say: this rank prints every fifth step."""
-    import grpo
+    as its response (format_warmup_batch), at learning rate lr, through the trainer's micro-batches and train_step.
+    say: this rank prints every fifth step."""
+    import grpo  # here, not at the top: eval_aime.py reads this file without the trainer
     import parallel
     rng = random.Random(seed + grid.dp_rank)
     if grid.rank == 0:
@@ -102,10 +102,9 @@ def format_warmup(model, grid, opt, tokenizer, problems, steps, lr, seed, train,
     for i in range(steps):
         pairs = format_warmup_batch(tokenizer, rng.choices(problems, k=16), rng)
         groups = [(p, [{"output_ids": r, "logprobs": [0.0] * len(r)}], [1.0]) for p, r in pairs]
-        mbs = grpo.make_microbatches(groups, 2, float(len(pairs) * grid.dp_size), train["loss_agg"], grid.device,
-                                     train["pad_to"])
+        mbs = grpo.make_microbatches(groups, 2, float(len(pairs) * grid.dp_size), loss_agg, grid.device, pad_to)
         t = time.time()
-        m = parallel.train_step(model, grid, opt, mbs, loss_fn, train["grad_clip"], recompute=train["recompute"])
+        m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip, recompute=recompute)
         if say and (i % 5 == 4 or i + 1 == steps):  # the first steps' time includes compiling
             print(f"format warm-up {i + 1}/{steps} | loss {m.get('loss', 0.0):.3f} (dp rank 0) | "
                   f"gnorm {m['grad_norm']:.2f} | {time.time() - t:.2f}s", flush=True)

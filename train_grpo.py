@@ -408,8 +408,8 @@ def log(rec, line):
 
 
 if data == 'toy' and format_warmup_steps and start_step == 0:
-    format_warmup(model, grid, opt, tok, problems, format_warmup_steps, format_warmup_lr, seed, dict(
-        loss_agg=loss_agg, pad_to=pad_to, grad_clip=grad_clip, recompute=recompute), is_logger)
+    format_warmup(model, grid, opt, tok, problems, format_warmup_steps, format_warmup_lr, seed, is_logger,
+                  loss_agg=loss_agg, pad_to=pad_to, grad_clip=grad_clip, recompute=recompute)
     opt = new_optimizer()  # GRPO starts with fresh moments
     sync_weights()
 elif resume_dir or model_dir or external:
