@@ -15,8 +15,11 @@ Fast paths for the model's expensive pieces, each beside the plain reference it 
   - sinkhorn_triton (kernels_triton.py, the project's Triton kernels): mHC's Sinkhorn loop as one Triton kernel
     forward and one backward, each token's n x n matrix held in registers for all its steps. Reference:
     model_dsv4.sinkhorn. Used by Block.hc_pre for GPU tensors when the kernels are on.
+  - hc_post_triton (kernels_triton.py): mHC's write-back of a sublayer into the streams, forward in one kernel and
+    the backward's sums over D in one pass. Reference: model_dsv4.Block.hc_post. Used by it for GPU tensors that
+    train (grad enabled) when the kernels are on.
 
-`Transformer.set_kernels(True)` switches hc_mixes_bf16, sinkhorn_triton, grouped_experts and window_attention on
+`Transformer.set_kernels(True)` switches hc_mixes_bf16, the Triton kernels, grouped_experts and window_attention on
 (train_grpo.py: `kernels='auto'` = on for CUDA).
 compile_hot_paths / compile_layers (train_grpo.py `compile`, bench.py --compile) add torch.compile.
 PathInvariant goes the other way, exact and slow: every sum in fp64 (Transformer.set_invariant).

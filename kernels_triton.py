@@ -3,6 +3,8 @@ The project's Triton kernels, each beside the plain reference it replaces (tests
 agree, forward and backward, and compiles the kernels for sm_90 and gfx950):
 
   - sinkhorn_triton: mHC's Sinkhorn loop (model_dsv4.sinkhorn) as one kernel forward and one backward.
+  - hc_post_triton: mHC's write-back of a sublayer into the n streams (model_dsv4.Block.hc_post) as one kernel
+    forward and one for the backward's reductions.
 
 Each is a torch.library custom op, so torch.compile keeps it as it is and a CUDA graph records it. Triton ships with
 torch's GPU builds (CUDA and ROCm). Without a GPU, Triton's interpreter runs the same kernels on CPU tensors: the
@@ -124,6 +126,104 @@ def _sinkhorn_setup(ctx, inputs, output):
 sinkhorn_triton.register_autograd(
     lambda ctx, dy: (_sinkhorn_triton_backward(ctx.saved_tensors[0], dy, ctx.iters, ctx.eps), None, None),
     setup_context=_sinkhorn_setup)
+
+
+# ----------------------------------------------------------------------------- mHC's write-back into the streams
+# Block.hc_post: y_k = post_k f + sum_j comb[j, k] x_j for each of the n streams k, per token (x [T, n, D] the streams,
+# f [T, D] the sublayer's output). The backward needs dx_j = sum_k comb[j, k] dy_k and df = sum_k post_k dy_k, and
+# per token dpost_k = <dy_k, f> and dcomb[j, k] = <x_j, dy_k>: 4 + 16 sums over D. Compiled as tensor ops, the
+# sums took five kernels that read dy three times (~118 us a sublayer for 4096 tokens of bench_2b on an H200), and
+# the forward fused into the next hc_pre's norm as one 81 us reduction (bench/RESULTS.md, session 21). Here the
+# forward is one pointwise kernel, and the backward's sums and df one pass over dy, x and f with a program a token.
+# dx stays tensor ops (hc_post_triton's backward): a pointwise sum over dy that inductor folds into the kernel where
+# autograd adds up the streams' gradient, so it is never written out on its own.
+HC_BLOCK_D = 512  # the forward's columns a program
+
+
+@_jit
+def _hc_post_fwd(f_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, N: tl.constexpr, NP: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Token program_id(0)'s columns [c * BLOCK_D, (c + 1) * BLOCK_D), c = program_id(1): y [NP, BLOCK_D] (rows k),
+    each input stream x_j read as a row and added in with its column of comb. Rows and vectors only, no [NP, NP,
+    BLOCK_D] product: its layout took the first version of these kernels 2-3x the time (session 21)."""
+    t = tl.program_id(0).to(tl.int64)
+    i, d = tl.arange(0, NP), tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows, dm = i < N, d < D
+    post = tl.load(post_ptr + t * N + i, mask=rows, other=0.0)
+    y = post[:, None] * tl.load(f_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    for j in tl.static_range(N):
+        xj = tl.load(x_ptr + (t * N + j) * D + d, mask=dm, other=0.0).to(tl.float32)
+        y += tl.load(comb_ptr + (t * N + j) * N + i, mask=rows, other=0.0)[:, None] * xj[None, :]  # comb[j, k]
+    tl.store(y_ptr + (t * N + i[:, None]) * D + d[None, :], y, mask=rows[:, None] & dm[None, :])
+
+
+@_jit
+def _hc_post_bwd(dy_ptr, f_ptr, x_ptr, post_ptr, df_ptr, dpost_ptr, dcomb_ptr, D, N: tl.constexpr,
+                 NP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token program_id(0) whole (BLOCK_D >= D): dy [NP, BLOCK_D] (rows k) read once; df its rows weighted by post;
+    dpost and each row j of dcomb one reduction over the columns."""
+    t = tl.program_id(0).to(tl.int64)
+    i, d = tl.arange(0, NP), tl.arange(0, BLOCK_D)
+    rows, dm = i < N, d < D
+    dy = tl.load(dy_ptr + (t * N + i[:, None]) * D + d[None, :], mask=rows[:, None] & dm[None, :],
+                 other=0.0).to(tl.float32)
+    f = tl.load(f_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * N + i, mask=rows, other=0.0)
+    tl.store(df_ptr + t * D + d, tl.sum(post[:, None] * dy, 0), mask=dm)
+    tl.store(dpost_ptr + t * N + i, tl.sum(dy * f[None, :], 1), mask=rows)
+    for j in tl.static_range(N):
+        xj = tl.load(x_ptr + (t * N + j) * D + d, mask=dm, other=0.0).to(tl.float32)
+        tl.store(dcomb_ptr + (t * N + j) * N + i, tl.sum(xj[None, :] * dy, 1), mask=rows)  # dcomb[j, k]
+
+
+def _hc_launch(kernel, x, whole, *tensors):
+    """Run kernel over x's [..., n, D] tokens: a program a token, whole (BLOCK_D >= D, 8 warps) or a block of
+    HC_BLOCK_D columns (4 warps)."""
+    n, D = x.shape[-2:]
+    n_tok, cols = x.numel() // (n * D), triton.next_power_of_2(D)
+    block, grid = (cols, (n_tok,)) if whole else (min(HC_BLOCK_D, cols), (n_tok, triton.cdiv(D, HC_BLOCK_D)))
+    kernel[grid](*tensors, D, N=n, NP=triton.next_power_of_2(n), BLOCK_D=block, num_warps=8 if whole else 4)
+
+
+@torch.library.custom_op("nano_dsv4::hc_post", mutates_args=())
+def hc_post_triton(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """model_dsv4.Block.hc_post for f [..., D], x [..., n, D] (one dtype), post [..., n] and comb [..., n, n] fp32:
+    the n streams after the sublayer, [..., n, D] in x's dtype. Computed in fp32, as the reference."""
+    y = torch.empty_like(x)
+    _hc_launch(_hc_post_fwd, x, False, f.contiguous(), x.contiguous(), post.contiguous(), comb.contiguous(), y)
+    return y
+
+
+@torch.library.custom_op("nano_dsv4::hc_post_sums", mutates_args=())
+def _hc_post_sums(dy: torch.Tensor, f: torch.Tensor, x: torch.Tensor,
+                  post: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_post_triton's backward but for dx: (df in f's dtype, dpost [..., n] and dcomb [..., n, n] fp32)."""
+    df, dpost = torch.empty_like(f), torch.empty_like(post)
+    dcomb = post.new_empty(*post.shape, post.shape[-1])
+    _hc_launch(_hc_post_bwd, x, True, dy.contiguous(), f.contiguous(), x.contiguous(), post.contiguous(),
+               df, dpost, dcomb)
+    return df, dpost, dcomb
+
+
+hc_post_triton.register_fake(lambda f, x, post, comb: torch.empty_like(x))
+_hc_post_sums.register_fake(lambda dy, f, x, post: (torch.empty_like(f), torch.empty_like(post),
+                                                    post.new_empty(*post.shape, post.shape[-1])))
+
+
+def _hc_post_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _hc_post_backward(ctx, dy):
+    f, x, post, comb = ctx.saved_tensors
+    df, dpost, dcomb = _hc_post_sums(dy, f, x, post)
+    dyf = dy.float()  # dx_j = sum_k comb[j, k] dy_k, pointwise (see above)
+    dx = sum((comb[..., :, k, None] * dyf[..., k, None, :] for k in range(1, x.shape[-2])),
+             comb[..., :, 0, None] * dyf[..., 0, None, :])
+    return df, dx.to(x.dtype), dpost, dcomb
+
+
+hc_post_triton.register_autograd(_hc_post_backward, setup_context=_hc_post_setup)
 
 
 def has_triton(t):

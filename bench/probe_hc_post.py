@@ -1,10 +1,16 @@
 """mHC's hc_post on bench_2b's training shape (4096 tokens, n = 4 streams of D = 1536, bf16 streams, fp32 mixes):
 the stream mix as a batched 4x4 fp32 matmul and as a sum over the 4 input streams, eager and compiled, forward and
 forward + backward. Session 5's profile blamed a 344 us fp32 GEMM kernel on the matmul form; since session 6 the model
-takes the sum when compiling and the matmul eager, each where it ran faster on an H200. python bench/probe_hc_post.py"""
-import time
+takes the sum when compiling and the matmul eager, each where it ran faster on an H200. Session 21 added
+kernels_triton.hc_post_triton (the Triton kernels the trainer takes on a GPU since). python bench/probe_hc_post.py"""
+import os
+import sys
 
 import torch
+from probe_timing import timed
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kernels_triton import hc_post_triton  # noqa: E402
 
 
 def by_matmul(f, x, post, comb):
@@ -26,20 +32,14 @@ f, x, post, comb = leaf(1, T, D, dt=torch.bfloat16), leaf(1, T, n, D, dt=torch.b
 ref = by_matmul(f, x, post, comb).float()
 print(f"max |matmul - streams| = {(ref - by_streams(f, x, post, comb).float()).abs().max().item():.3e} "
       f"(bf16 result, |y| up to {ref.abs().max().item():.1f})")
-for name, fn in [("matmul", by_matmul), ("streams", by_streams),
-                 ("matmul, compiled", torch.compile(by_matmul)), ("streams, compiled", torch.compile(by_streams))]:
-    for what in ("forward", "forward+backward"):
-        def once():
-            y = fn(f, x, post, comb)
-            if what != "forward":
-                y.backward(torch.ones_like(y))
-        for _ in range(3):
-            once()
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            once()
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        print(f"{name:18s} {what:17s} {(time.perf_counter() - t0) / 20 * 1e6:8.1f} us")
+dy = torch.randn_like(ref).bfloat16()
+for name, fn in [("matmul", by_matmul), ("streams", by_streams), ("matmul, compiled", torch.compile(by_matmul)),
+                 ("streams, compiled", torch.compile(by_streams)), ("triton", hc_post_triton),
+                 ("triton, compiled", torch.compile(lambda *a: hc_post_triton(*a)))]:  # dx's sum compiled, as trained
+    if name.startswith("triton") and dev != "cuda":
+        continue
+    print(f"{name:18s} max |y - matmul| {(fn(f, x, post, comb).float() - ref).abs().max().item():.2e}", end="")
+    with torch.no_grad():
+        print(f"   forward {timed(lambda: fn(f, x, post, comb)) * 1e3:7.1f} us", end="")
+    both = timed(lambda: torch.autograd.grad(fn(f, x, post, comb), (f, x, post, comb), dy)) * 1e3
+    print(f"   forward+backward {both:7.1f} us", flush=True)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels  # noqa: E402
 import model_dsv4 as m  # noqa: E402
+from probe_timing import timed  # noqa: E402
 
 # Session 12 (2026-12-02, H200, torch 2.11.0+cu130, bench/gpu_session12.sh) kept the two-part softmax and the
 # fused indexer score, and left the Sinkhorn op (2.1x slower and 134 s of compile) and the bmm output (1.2x slower).
@@ -27,17 +28,6 @@ import model_dsv4 as m  # noqa: E402
 
 BACKEND = os.environ.get("PROBE_BACKEND", "inductor")  # aot_eager: the CPU smoke test
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-
-def timed(fn, reps=20):
-    for _ in range(3):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / reps * 1e3
 
 
 def first_call(fn):

@@ -6,24 +6,13 @@ through log_softmax and gather (before). Session 9 ran this as part of bench/pro
 python bench/probe_loss.py"""
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
-
-
-def timed(fn, reps=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e3
+from probe_timing import timed  # noqa: E402
 
 
 ids = torch.randint(0, 129280, (1, 4096), device="cuda")
@@ -37,7 +26,7 @@ written_out = grpo.token_logprobs
 plain = lambda lg, mb: lg.log_softmax(-1).gather(-1, mb["tgt"][..., None])[..., 0]
 print(f"loss over 4096 x 129280 logits, forward+backward, {torch.cuda.get_device_name()}, torch {torch.__version__}")
 ce = lambda: F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-print(f"  {'F.cross_entropy':52s} {timed(lambda: ce().backward()):6.2f} ms", flush=True)
+print(f"  {'F.cross_entropy':52s} {timed(lambda: ce().backward(), 10):6.2f} ms", flush=True)
 for backward, lp_fn in (("written-out backward", written_out), ("autograd's backward", plain)):
     grpo.token_logprobs = lp_fn  # grpo_loss looks it up when called (and compile when it traces)
     torch._dynamo.reset()
@@ -45,4 +34,4 @@ for backward, lp_fn in (("written-out backward", written_out), ("autograd's back
     for name, f in ((f"grpo_loss eager, {backward}", lambda: grpo.grpo_loss(logits, mb)[0]),
                     (f"grpo_loss compiled, {backward}", lambda: loss_c(logits, mb)[0]),
                     (f"token_logprobs compiled, {backward}", lambda: -lp_c(logits, mb)[:, :-1].mean())):
-        print(f"  {name:52s} {timed(lambda: f().backward()):6.2f} ms", flush=True)
+        print(f"  {name:52s} {timed(lambda: f().backward(), 10):6.2f} ms", flush=True)

@@ -1,15 +1,17 @@
-"""kernels_triton.sinkhorn_triton (mHC's Sinkhorn loop as one Triton kernel forward and one backward) against the loop it
-replaces, model_dsv4.sinkhorn: values and gradients, eager and under torch.compile. Without a GPU, kernels_triton.py runs
+"""kernels_triton.py's kernels against the code they replace: sinkhorn_triton (mHC's Sinkhorn loop as one Triton kernel
+forward and one backward) against model_dsv4.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
+model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile. Without a GPU, kernels_triton.py runs
 Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kernels_triton import sinkhorn_triton  # before triton: without a GPU it turns on Triton's interpreter first
-from model_dsv4 import sinkhorn
+from kernels_triton import hc_post_triton, sinkhorn_triton  # before triton: without a GPU it turns on Triton's interpreter first
+from model_dsv4 import Block, sinkhorn
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
 
@@ -62,25 +64,81 @@ def test_sinkhorn_triton_under_compile():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_sinkhorn_kernels_compile_for_h200_and_mi355x():
+def hc_inputs(n, D, dtype, seed):
+    """Block.hc_post's inputs for 2 x 19 tokens: the sublayer's output f [2, 19, D] and the streams x [2, 19, n, D] in
+    dtype, post [2, 19, n] in (0, 2) and a doubly stochastic comb [2, 19, n, n] in fp32, each needing a gradient."""
+    g = torch.Generator().manual_seed(seed)
+    f, x = torch.randn(2, 19, D, generator=g), torch.randn(2, 19, n, D, generator=g)
+    post = 2 * torch.rand(2, 19, n, generator=g)
+    c = sinkhorn(comb((2, 19), n, torch.float32, seed).cpu(), 20, EPS)
+    return [t.to(DEV, dt).requires_grad_() for t, dt in ((f, dtype), (x, dtype), (post, torch.float32),
+                                                          (c, torch.float32))]
+
+
+REF = SimpleNamespace(fast=False)  # Block.hc_post's own self: with the kernels off it takes the reference
+
+
+def assert_near(a, b, name=""):
+    """fp32: within a few roundings of b's largest value. bf16: each element within one rounding of its own (2^-7 of
+    it: Triton's interpreter truncates where the GPU rounds to nearest), the fp32 work before it aside."""
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    err, scale = (a.float() - b.float()).abs(), b.float().abs().max()
+    bound = 2e-5 * scale if a.dtype == torch.float32 else 2 ** -7 * b.float().abs() + 2e-5 * scale
+    assert (err <= bound).all(), (name, err.max().item(), scale.item())
+
+
+@pytest.mark.parametrize("n,D,dtype", [(4, 40, torch.float32), (4, 40, torch.bfloat16), (3, 700, torch.float32)])
+def test_hc_post_triton_equals_reference(n, D, dtype):
+    """Forward and the gradients of all four inputs equal Block.hc_post's (eager, its batched matmul). n = 3 pads to
+    4 rows; D = 700 is two blocks of 512 columns, the second partly masked."""
+    ins = hc_inputs(n, D, dtype, seed=D + n)
+    y, ref = hc_post_triton(*ins), Block.hc_post(REF, *ins)
+    assert_near(y, ref, "y")
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(DEV, dtype)
+    grads, refs = (torch.autograd.grad(t, ins, dy) for t in (y, ref))
+    for name, a, b in zip(("df", "dx", "dpost", "dcomb"), grads, refs):
+        assert_near(a, b, name)
+
+
+def test_hc_post_triton_under_compile():
+    """In a compiled function, as in the compiled layers: the op keeps its kernels, its backward's dx is traced as
+    tensor ops beside the sums' op, and the gradients equal eager Block.hc_post's."""
+    backend = "inductor" if DEV == "cuda" else "aot_eager"
+    ins = hc_inputs(4, 64, torch.float32, seed=3)
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(4)).to(DEV)
+    loss = lambda post_fn: (post_fn(*ins) * w).square().sum()
+    out = torch.compile(lambda: loss(hc_post_triton), backend=backend, fullgraph=True)()
+    ref = loss(lambda *a: Block.hc_post(REF, *a))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=0)
+    for a, b in zip(torch.autograd.grad(out, ins), torch.autograd.grad(ref, ins)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def test_kernels_compile_for_h200_and_mi355x():
     """Triton's interpreter runs code that its compiler refuses (session 14's first kernel passed the tests above on
-    the CPU and failed to compile on the GPU: an `if` whose branches gave two shapes). So both kernels are also
+    the CPU and failed to compile on the GPU: an `if` whose branches gave two shapes). So every kernel is also
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
-    _launch calls them (4 x 4 matrices, 20 iterations). In a subprocess: this process's kernels are interpreted."""
+    the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
+    (D 1536: the backward's block 2048).
+    In a subprocess: this process's kernels are interpreted."""
     code = """
-import kernels_triton, triton
+import kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+# (kernel, constexprs, scalar arguments, bf16 pointers (the others fp32), warps)
+kernels = [(fn, {"STEPS": 39, "N": 4, "NP": 4, "BLOCK": kt.BLOCK}, {"n_tok": "i32", "eps": "fp32"}, (), 1)
+           for fn in (kt._sinkhorn_fwd, kt._sinkhorn_bwd)]
+kernels += [(fn, {"N": 4, "NP": 4, "BLOCK_D": block}, {"D": "i32"}, ("f_ptr", "x_ptr", "y_ptr", "dy_ptr", "df_ptr"),
+             warps) for fn, block, warps in ((kt._hc_post_fwd, kt.HC_BLOCK_D, 4), (kt._hc_post_bwd, 2048, 8))]
 for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "gfx950", 64), "hsaco")):
-    for fn in (kernels_triton._sinkhorn_fwd, kernels_triton._sinkhorn_bwd):
-        ptrs = [a for a in fn.arg_names if a.endswith("_ptr")]
-        sig = {**{a: "*fp32" for a in ptrs}, "n_tok": "i32", "eps": "fp32",
-               **{a: "constexpr" for a in ("STEPS", "N", "NP", "BLOCK")}}
-        src = ASTSource(fn, sig, constexprs={"STEPS": 39, "N": 4, "NP": 4, "BLOCK": kernels_triton.BLOCK})
-        assert binary in triton.compile(src, target=target, options={"num_warps": 1}).asm, (target, fn)
+    for fn, consts, scalars, bf16, warps in kernels:
+        ptrs = {a: "*bf16" if a in bf16 else "*fp32" for a in fn.arg_names if a.endswith("_ptr")}
+        sig = {**ptrs, **scalars, **{a: "constexpr" for a in consts}}
+        src = ASTSource(fn, sig, constexprs=consts)
+        assert binary in triton.compile(src, target=target, options={"num_warps": warps}).asm, (target, fn)
         print(target.arch, fn.__name__, "compiled")
 """
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 4, out.stdout
+    assert out.stdout.count("compiled") == 8, out.stdout
