@@ -2,6 +2,7 @@
 forward and one backward) against model_dsv4.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
 model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile. Without a GPU, kernels_triton.py runs
 Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
+import copy
 import os
 import subprocess
 import sys
@@ -11,7 +12,10 @@ import pytest
 import torch
 
 from kernels_triton import hc_post_triton, sinkhorn_triton  # before triton: without a GPU it turns on Triton's interpreter first
-from model_dsv4 import Block, sinkhorn
+import model_dsv4
+import parallel
+from conftest import SMALL, TINY, randomize_
+from model_dsv4 import Block, Transformer, sinkhorn
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
 
@@ -64,13 +68,13 @@ def test_sinkhorn_triton_under_compile():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def hc_inputs(n, D, dtype, seed):
-    """Block.hc_post's inputs for 2 x 19 tokens: the sublayer's output f [2, 19, D] and the streams x [2, 19, n, D] in
-    dtype, post [2, 19, n] in (0, 2) and a doubly stochastic comb [2, 19, n, n] in fp32, each needing a gradient."""
+def hc_inputs(n, D, dtype, seed, T=19):
+    """Block.hc_post's inputs for 2 x T tokens: the sublayer's output f [2, T, D] and the streams x [2, T, n, D] in
+    dtype, post [2, T, n] in (0, 2) and a doubly stochastic comb [2, T, n, n] in fp32, each needing a gradient."""
     g = torch.Generator().manual_seed(seed)
-    f, x = torch.randn(2, 19, D, generator=g), torch.randn(2, 19, n, D, generator=g)
-    post = 2 * torch.rand(2, 19, n, generator=g)
-    c = sinkhorn(comb((2, 19), n, torch.float32, seed).cpu(), 20, EPS)
+    f, x = torch.randn(2, T, D, generator=g), torch.randn(2, T, n, D, generator=g)
+    post = 2 * torch.rand(2, T, n, generator=g)
+    c = sinkhorn(comb((2, T), n, torch.float32, seed).cpu(), 20, EPS)
     return [t.to(DEV, dt).requires_grad_() for t, dt in ((f, dtype), (x, dtype), (post, torch.float32),
                                                           (c, torch.float32))]
 
@@ -102,16 +106,48 @@ def test_hc_post_triton_equals_reference(n, D, dtype):
 
 def test_hc_post_triton_under_compile():
     """In a compiled function, as in the compiled layers: the op keeps its kernels, its backward's dx is traced as
-    tensor ops beside the sums' op, and the gradients equal eager Block.hc_post's."""
+    tensor ops beside the sums' op, and the gradients equal eager Block.hc_post's; with the length symbolic (as the
+    trainer compiles its layers), a second length runs the same graph."""
     backend = "inductor" if DEV == "cuda" else "aot_eager"
-    ins = hc_inputs(4, 64, torch.float32, seed=3)
     w = torch.randn(4, 64, generator=torch.Generator().manual_seed(4)).to(DEV)
-    loss = lambda post_fn: (post_fn(*ins) * w).square().sum()
-    out = torch.compile(lambda: loss(hc_post_triton), backend=backend, fullgraph=True)()
-    ref = loss(lambda *a: Block.hc_post(REF, *a))
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=0)
-    for a, b in zip(torch.autograd.grad(out, ins), torch.autograd.grad(ref, ins)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    loss = lambda post_fn, ins: (post_fn(*ins) * w).square().sum()
+    compiled = torch.compile(lambda ins: loss(hc_post_triton, ins), backend=backend, fullgraph=True, dynamic=True)
+    torch._dynamo.utils.counters.clear()
+    for T in (19, 23):
+        ins = hc_inputs(4, 64, torch.float32, seed=T, T=T)
+        out, ref = compiled(ins), loss(lambda *a: Block.hc_post(REF, *a), ins)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=0)
+        for a, b in zip(torch.autograd.grad(out, ins), torch.autograd.grad(ref, ins)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("args,T", [(TINY, 20), (SMALL, 16)], ids=["tiny", "small"])
+def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
+    """The whole model as it trains on a GPU, the Triton kernels in (Sinkhorn, hc_post; without a GPU has_triton is
+    forced on and the interpreter runs them), with the trainer's activation recompute (parallel.stage_forward): the
+    logits and every parameter's gradient against the reference model's, fp32, as test_kernels.py's whole-model test
+    (hc_mult 4 and 2). One sequence of 20 or 16 tokens: the interpreter takes ~15 ms a program, and hc_post's kernels
+    run a program a token."""
+    calls = []
+    monkeypatch.setattr(model_dsv4, "has_triton", lambda t: True)
+    monkeypatch.setattr(model_dsv4, "hc_post_triton", lambda *a: calls.append(1) or hc_post_triton(*a))
+    ref = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,
+                     args.num_experts_per_tok, seed=4).to(DEV)
+    fast = copy.deepcopy(ref).set_kernels(True)
+    ids = torch.randint(0, args.vocab_size, (1, T), generator=torch.Generator().manual_seed(5)).to(DEV)
+    out = []
+    for m in (fast, ref):
+        logits = m.logits(parallel.stage_forward(m, None, ids, recompute=m is fast))
+        logits.log_softmax(-1)[..., 0].sum().backward()
+        out.append((logits, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    assert len(calls) == 2 * 2 * args.num_hidden_layers  # two sublayers a layer, forward and recomputed
+    assert (out[0][0] - out[1][0]).abs().max() <= 1e-5 * out[1][0].abs().max()
+    assert out[0][1].keys() == out[1][1].keys()
+    top = max(b.abs().max() for b in out[1][1].values())  # a floor: a scalar summed over every token (hc_head_scale
+    for n, a in out[0][1].items():                        # at 16 tokens: 1.6e-3, 1.5e-7 apart) cancels to little
+        b = out[1][1][n]
+        assert (a - b).abs().max() <= 5e-5 * b.abs().max() + 1e-6 * top, n
 
 
 def test_kernels_compile_for_h200_and_mi355x():
