@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels_triton import hc_post_triton, sinkhorn_triton  # before triton: without a GPU it turns on Triton's interpreter first
+from kernels_triton import hc_post_triton, sinkhorn_triton  # before triton: without a GPU it turns on the interpreter
 import model_dsv4
 import parallel
 from conftest import SMALL, TINY, randomize_
