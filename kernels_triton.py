@@ -134,7 +134,8 @@ sinkhorn_triton.register_autograd(
 # per token dpost_k = <dy_k, f> and dcomb[j, k] = <x_j, dy_k>: 4 + 16 sums over D. Compiled as tensor ops, the
 # sums took five kernels that read dy three times (~118 us a sublayer for 4096 tokens of bench_2b on an H200), and
 # the forward fused into the next hc_pre's norm as one 81 us reduction (bench/RESULTS.md, session 21). Here the
-# forward is one pointwise kernel, and the backward's sums and df one pass over dy, x and f with a program a token.
+# forward is one pointwise kernel (39 us for those 4096 tokens), and the backward's sums and df one pass over dy, x
+# and f with a program a token (53 us). With MoE's new combine, bench_2b's training step went from 64-65 to 62 ms.
 # dx stays tensor ops (hc_post_triton's backward): a pointwise sum over dy that inductor folds into the kernel where
 # autograd adds up the streams' gradient, so it is never written out on its own.
 HC_BLOCK_D = 512  # the forward's columns a program
@@ -144,8 +145,7 @@ HC_BLOCK_D = 512  # the forward's columns a program
 def _hc_post_fwd(f_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, N: tl.constexpr, NP: tl.constexpr,
                  BLOCK_D: tl.constexpr):
     """Token program_id(0)'s columns [c * BLOCK_D, (c + 1) * BLOCK_D), c = program_id(1): y [NP, BLOCK_D] (rows k),
-    each input stream x_j read as a row and added in with its column of comb. Rows and vectors only, no [NP, NP,
-    BLOCK_D] product: its layout took the first version of these kernels 2-3x the time (session 21)."""
+    each input stream x_j read as a row and added in with its column of comb."""
     t = tl.program_id(0).to(tl.int64)
     i, d = tl.arange(0, NP), tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows, dm = i < N, d < D
@@ -161,7 +161,8 @@ def _hc_post_fwd(f_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, N: tl.constexpr, NP
 def _hc_post_bwd(dy_ptr, f_ptr, x_ptr, post_ptr, df_ptr, dpost_ptr, dcomb_ptr, D, N: tl.constexpr,
                  NP: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token program_id(0) whole (BLOCK_D >= D): dy [NP, BLOCK_D] (rows k) read once; df its rows weighted by post;
-    dpost and each row j of dcomb one reduction over the columns."""
+    dpost and each row j of dcomb one reduction over the columns. (The first version formed dcomb from an [NP, NP,
+    BLOCK_D] product a block of columns: 117 us a sublayer, more than the five kernels it replaced.)"""
     t = tl.program_id(0).to(tl.int64)
     i, d = tl.arange(0, NP), tl.arange(0, BLOCK_D)
     rows, dm = i < N, d < D
@@ -227,6 +228,6 @@ hc_post_triton.register_autograd(_hc_post_backward, setup_context=_hc_post_setup
 
 
 def has_triton(t):
-    """Whether the model takes sinkhorn_triton for t: Triton is installed and t is on a GPU. (On a CPU the loop is
-    faster than Triton's interpreter, which the tests call sinkhorn_triton through.)"""
+    """Whether the model takes the Triton kernels for t: Triton is installed and t is on a GPU. (On a CPU the
+    references are faster than Triton's interpreter, which the tests run the kernels through.)"""
     return triton is not None and t.is_cuda

@@ -6,6 +6,7 @@ import copy
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -122,13 +123,16 @@ def test_hc_post_triton_under_compile():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
-@pytest.mark.parametrize("args,T", [(TINY, 20), (SMALL, 16)], ids=["tiny", "small"])
+FOUR = replace(TINY, num_hidden_layers=4, compress_ratios=[0, 0, 4, 16, 0])  # hash, window, CSA, HCA layers and MTP
+
+
+@pytest.mark.parametrize("args,T", [(FOUR, 20), (SMALL, 16)], ids=["tiny-4-layers", "small"])
 def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
     """The whole model as it trains on a GPU, the Triton kernels in (Sinkhorn, hc_post; without a GPU has_triton is
     forced on and the interpreter runs them), with the trainer's activation recompute (parallel.stage_forward): the
     logits and every parameter's gradient against the reference model's, fp32, as test_kernels.py's whole-model test
-    (hc_mult 4 and 2). One sequence of 20 or 16 tokens: the interpreter takes ~15 ms a program, and hc_post's kernels
-    run a program a token."""
+    (hc_mult 4 and 2). Four of TINY's layers and one sequence of 20 or 16 tokens: the interpreter takes ~15 ms a
+    program, and hc_post's kernels run a program a token."""
     calls = []
     monkeypatch.setattr(model_dsv4, "has_triton", lambda t: True)
     monkeypatch.setattr(model_dsv4, "hc_post_triton", lambda *a: calls.append(1) or hc_post_triton(*a))
