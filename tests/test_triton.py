@@ -159,8 +159,7 @@ def test_kernels_compile_for_h200_and_mi355x():
     the CPU and failed to compile on the GPU: an `if` whose branches gave two shapes). So every kernel is also
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
-    (D 1536: the backward's block 2048).
-    In a subprocess: this process's kernels are interpreted."""
+    (D 1536: the backward's block 2048). In a subprocess: this process's kernels are interpreted."""
     code = """
 import kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
