@@ -389,7 +389,8 @@ class Attention(nn.Module):
             visible = torch.arange(S, device=x.device)[None, :] < ((pos + 1) // self.ratio)[:, None]  # [T, S]
             cmask = self.indexer(x, qr, self.args, visible) if self.indexer is not None else visible[None]
         if self.fast:  # kernels.py: the same softmax by blocks of `sliding_window` queries
-            o = window_attention(q, kv, ckv, cmask, self.attn_sink, self.softmax_scale, self.args.sliding_window)
+            o = window_attention(q, kv, ckv, cmask, self.attn_sink, self.softmax_scale, self.args.sliding_window,
+                                 self.ratio)
             return self.output(o, cos, sin)
         # window: key j visible from query t iff t - window < j <= t
         mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.args.sliding_window))[None]

@@ -4,12 +4,14 @@ current form and the alternative tried in session 12, with each one's first call
     an op (one tensor per entry, its backward written out, compiled once on its own; below);
   - a CSA layer's attention (window_attention at 4096 tokens, 16 heads of 512, 1024 compressed entries of which
     512 picked): the softmax over [window | compressed | sink] as one concatenated row (before) against two parts
-    sharing one max and one denominator (kernels.window_attention since session 12);
+    sharing one max and one denominator (kernels.window_attention since session 12), the latter with the query
+    blocks in 1, 2, 4 and 8 groups against the compressed entries each group sees (session 22);
   - the indexer's score (16 heads of 128 against 1024 entries, ReLU, weighted sum over heads): einsum against a
     product and a sum that inductor can fuse with the ReLU;
   - the attention's output (inverse RoPE on the values' rope slice, then the grouped wo_a): einsum against bmm
     on a transposed view.
-python bench/probe_layer.py"""
+python bench/probe_layer.py [sinkhorn] [attention] [indexer] [output] (all four without an argument)"""
+import functools
 import os
 import sys
 import time
@@ -159,7 +161,7 @@ def concat_softmax_attention(q, kv, ckv, cmask, sink, scale, window):
     return out + (probs[..., 2 * w:-1].reshape(B, T * H, -1) @ ckv).view(B, T, H, d)
 
 
-def main():
+def main(parts=("sinkhorn", "attention", "indexer", "output")):
     dev, bf = "cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16  # the CPU: a smoke test, 1/16 size
     T = 4096 if dev == "cuda" else 256
     g = torch.Generator(device=dev).manual_seed(0)
@@ -183,7 +185,7 @@ def main():
         comb = (comb.unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n)).softmax(-1) + 1e-6
         return sinkhorn(comb, iters, 1e-6)[0]
     ref = None
-    for name, f in (("batched loop", loop), ("the op", entries)):
+    for name, f in (("batched loop", loop), ("the op", entries)) if "sinkhorn" in parts else ():
         cf = torch.compile(f, backend=BACKEND)
         step = lambda: torch.autograd.grad((cf(mixes) * wt).sum(), mixes)[0]
         c = first_call(step)
@@ -203,14 +205,17 @@ def main():
     cmask = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True) & visible
     go = torch.randn(1, T, H, d, device=dev, dtype=bf, generator=g)
     ref = None
-    for name, f in (("concatenated row", concat_softmax_attention), ("two parts", kernels.window_attention)):
+    variants = [("concatenated row", concat_softmax_attention)] + [
+        (f"two parts, {c} group{'s' if c > 1 else ''}", functools.partial(kernels.window_attention, ratio=4, chunks=c))
+        for c in (1, 2, 4, 8)]
+    for name, f in variants if "attention" in parts else ():
         cf = torch.compile(f, backend=BACKEND)
         step = lambda: torch.autograd.grad((cf(q, kv, ckv, cmask, sink, d ** -0.5, w).float() * go).sum(),
                                            (q, kv, ckv, sink))
         c = first_call(step)
         got = torch.cat([x.float().flatten() for x in step()])
         ref = got if ref is None else ref
-        print(f"CSA attention {name:16s} fwd+bwd {timed(step):6.3f} ms   first call (compile) {c:5.1f} s   "
+        print(f"CSA attention {name:18s} fwd+bwd {timed(step):6.3f} ms   first call (compile) {c:5.1f} s   "
               f"grads vs the row {((got - ref).norm() / ref.norm()).item():.1e}", flush=True)
 
     # the indexer's score
@@ -226,7 +231,7 @@ def main():
         s = kernels.matmul_f32(qi.flatten(1, 2), ki.transpose(1, 2)).view(1, T, 16, -1).relu()
         return (s * wi[..., None]).sum(2)
     ref = None
-    for name, f in (("einsum", einsum_form), ("product and sum", sum_form)):
+    for name, f in (("einsum", einsum_form), ("product and sum", sum_form)) if "indexer" in parts else ():
         cf = torch.compile(f, backend=BACKEND)
         c = first_call(cf)
         got = cf()
@@ -248,7 +253,7 @@ def main():
         u = torch.bmm(o.reshape(T, 4, -1).transpose(0, 1), wo_a.view(4, 512, -1).transpose(1, 2))  # [g, T, o_rank]
         return u.transpose(0, 1).reshape(1, T, -1)
     ref = None
-    for name, f in (("einsum", out_einsum), ("bmm", out_bmm)):
+    for name, f in (("einsum", out_einsum), ("bmm", out_bmm)) if "output" in parts else ():
         cf = torch.compile(f, backend=BACKEND)
         step = lambda: torch.autograd.grad((cf(o, wo_a).float() * gu).sum(), (o, wo_a))
         c = first_call(step)
@@ -259,4 +264,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:] or ("sinkhorn", "attention", "indexer", "output"))

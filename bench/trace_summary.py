@@ -1,0 +1,55 @@
+"""Where a profiled step's device time went, from the trace `bench.py --profile --trace=FILE` writes: the kernels'
+time by kind (dense GEMMs, grouped GEMMs, inductor's pointwise / reduction / persistent-reduction kernels, the
+project's Triton kernels, sorts and top-k, the rest), then the kernels with the most time, one line per name.
+python bench/trace_summary.py TRACE.json [--top=40]"""
+import argparse
+import collections
+import gzip
+import json
+
+KINDS = [  # (kind, what its kernels' names hold), first match wins
+    ("grouped GEMM", ("grouped", "group_gemm")),
+    ("dense GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "ampere_", "wgmma")),
+    ("Triton, ours", ("_hc_post", "_sinkhorn")),
+    ("inductor pointwise", ("triton_poi",)),
+    ("inductor reduction", ("triton_red", "triton_per")),
+    ("sort / top-k", ("sort", "topk", "radix", "bitonic")),
+    ("copy / fill", ("memcpy", "memset", "copy", "fill")),
+]
+
+
+def kind(name):
+    low = name.lower()
+    return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("--top", type=int, default=40)
+    cli = p.parse_args()
+    opener = gzip.open if cli.trace.endswith(".gz") else open
+    with opener(cli.trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not kernels:
+        raise SystemExit(f"{cli.trace}: no kernel events (was it written with a CUDA profile?)")
+    by_name, by_kind = collections.defaultdict(lambda: [0.0, 0]), collections.defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        for table, key in ((by_name, e["name"]), (by_kind, kind(e["name"]))):
+            table[key][0] += e["dur"]
+            table[key][1] += 1
+    total = sum(t for t, _ in by_kind.values())
+    first = min(e["ts"] for e in kernels)
+    last = max(e["ts"] + e["dur"] for e in kernels)
+    print(f"{len(kernels)} kernels, {total / 1e3:.2f} ms of kernel time in {(last - first) / 1e3:.2f} ms "
+          f"from the first kernel's start to the last one's end")
+    for k, (t, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {k:20s} {t / 1e3:8.2f} ms  {t / total:6.1%}  {n:6d} kernels")
+    print(f"the {cli.top} kernels with the most time (name cut at 110 characters):")
+    for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:cli.top]:
+        print(f"  {t / 1e3:7.3f} ms {n:5d}x {t / n:8.1f} us  {kind(name):18s} {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
