@@ -216,68 +216,44 @@ def grouped_experts(experts, xs, ws, counts, limit, stacked=None):
     return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
 
 
-CHUNKS = 4  # window_attention's groups of query blocks over the compressed keys
-
-
-def window_attention(q, kv, ckv, cmask, sink, scale, window, ratio=0, chunks=CHUNKS):
+def window_attention(q, kv, ckv, cmask, sink, scale, window):
     """The softmax of model_dsv4.sink_attention over window keys (t - window < j <= t) plus compressed keys,
     by blocks: the queries of block i only see window keys in blocks i-1 and i.
     q [B, T, H, d], kv [B, T, d] window keys (= values), ckv [B, S, d] or None, cmask bool [B or 1, T, S] ->
-    [B, T, H, d]. ratio: the compressor's, when cmask is causal in its sense (query t sees no entry s >= (t + 1) //
-    ratio). The compressed keys then form a triangle: with more of them than a block's 2 * window window keys, the
-    blocks go in `chunks` groups, each against the entries its last query can see, so the logits of entries that
-    no query of a group sees are never formed (with 4 groups, 5/8 of the [T x H, S] logits; bench_2b's CSA layers,
-    S = T / 4: bench/RESULTS.md, session 22)."""
+    [B, T, H, d]"""
     B, T, H, d = q.shape
-    w = window
+    w, dt = window, kv.dtype
     nb = -(-T // w)
     pad = nb * w - T
     qp = F.pad(q, (0, 0, 0, 0, 0, pad))  # [B, nb*w, H, d]
+    qb = qp.reshape(B * nb, w * H, d)  # rows (t, h) of a block
     kvp = F.pad(kv, (0, 0, w, pad))  # a zero block in front: block 0's "previous block"
-    S = 0 if ckv is None else ckv.shape[1]
-    cm = F.pad(cmask.expand(B, -1, -1), (0, 0, 0, pad)) if S else None  # [B, nb*w, S]
-    n = chunks if ratio and S > 2 * w and nb >= chunks else 1
-    ends = [k * nb // n for k in range(n + 1)]  # group k: blocks ends[k] .. ends[k+1] - 1
-    outs = []
-    for b0, b1 in zip(ends[:-1], ends[1:]):
-        t0, t1 = b0 * w, b1 * w
-        s = t1 // ratio if n > 1 else S  # entries the group's last query (t1 - 1) can see; a slice past S stops at S
-        outs.append(_blocks(qp[:, t0:t1], kvp[:, t0:t1 + w], ckv[:, :s] if S else None,
-                            cm[:, t0:t1, :s] if S else None, t0, sink, scale, w))
-    out = outs[0] if n == 1 else torch.cat(outs, 1)
-    return out[:, :T]
-
-
-def _blocks(q, kv, ckv, cmask, t0, sink, scale, w):
-    """window_attention for the queries t0 .. t0 + C - 1, C a multiple of the window w: q [B, C, H, d], kv [B, w + C,
-    d] the keys from t0 - w on (zeros before position 0), ckv [B, S, d] or None, cmask [B, C, S] -> [B, C, H, d]"""
-    B, C, H, d = q.shape
-    m, dt = C // w, kv.dtype
-    qb = q.reshape(B * m, w * H, d)  # rows (t, h) of a block
-    keys = torch.cat([kv[:, :-w].reshape(B, m, w, d), kv[:, w:].reshape(B, m, w, d)], dim=2).flatten(0, 1)
-    logits = matmul_f32(qb, keys.transpose(1, 2)).view(B * m, w, H, 2 * w) * scale  # [B*m, w, H, 2w]
-    t = t0 + torch.arange(C, device=q.device).view(m, w, 1)  # query position
+    keys = torch.cat([kvp[:, :-w].reshape(B, nb, w, d), kvp[:, w:].reshape(B, nb, w, d)], dim=2).flatten(0, 1)
+    logits = matmul_f32(qb, keys.transpose(1, 2)).view(B * nb, w, H, 2 * w) * scale  # [B*nb, w, H, 2w]
+    t = torch.arange(nb * w, device=q.device).view(nb, w, 1)  # query position
     j = (t - t % w - w) + torch.arange(2 * w, device=q.device)  # key position: blocks i-1 and i
-    band = ((j <= t) & (j > t - w) & (j >= 0)).view(1, m, w, 1, 2 * w)
-    logits = logits.view(B, m, w, H, 2 * w).masked_fill(~band, float("-inf")).view(B * m, w, H, 2 * w)
+    band = ((j <= t) & (j > t - w) & (j >= 0)).view(1, nb, w, 1, 2 * w)
+    logits = logits.view(B, nb, w, H, 2 * w).masked_fill(~band, float("-inf")).view(B * nb, w, H, 2 * w)
     parts = [logits]
     if ckv is not None and ckv.shape[1]:
         S = ckv.shape[1]
-        clog = matmul_f32(q.reshape(B, C * H, d), ckv.transpose(1, 2)).view(B, C, H, S) * scale
-        parts.append(clog.masked_fill(~cmask[:, :, None], float("-inf")).view(B * m, w, H, S))
+        clog = matmul_f32(qp.reshape(B, nb * w * H, d), ckv.transpose(1, 2)).view(B, nb * w, H, S) * scale
+        cm = F.pad(cmask.expand(B, -1, -1), (0, 0, 0, pad))[:, :, None]  # [B, nb*w, 1, S]
+        parts.append(clog.masked_fill(~cm, float("-inf")).view(B * nb, w, H, S))
     # one softmax over the parts and the sink without concatenating them: a shared row max (the sink's logit
     # included, so a row never is all -inf) and denominator, each part's probabilities from its own logits. On an
     # H200, a CSA layer's attention forward+backward: 1.97 ms against 2.83 for the softmax of the concatenated row
     # (bench/probe_layer.py), which inductor compiled into a 0.79 ms forward kernel.
     sink = sink.float().view(1, 1, H)
-    mx = functools.reduce(torch.maximum, [p.amax(-1) for p in parts], sink).detach()  # [B*m, w, H]
+    mx = functools.reduce(torch.maximum, [p.amax(-1) for p in parts], sink).detach()  # [B*nb, w, H]
     exps = [(p - mx[..., None]).exp() for p in parts]
     den = sum(e.sum(-1) for e in exps) + (sink - mx).exp()  # the sink only enlarges the denominator
     probs = [(e / den[..., None]).to(dt) for e in exps]
-    out = (probs[0].reshape(B * m, w * H, 2 * w) @ keys).view(B, C, H, d)
+    out = probs[0].reshape(B * nb, w * H, 2 * w) @ keys  # [B*nb, w*H, d]
+    out = out.view(B, nb * w, H, d)
     if len(probs) == 2:
-        out = out + (probs[1].reshape(B, C * H, -1) @ ckv).view(B, C, H, d)
-    return out
+        out = out + (probs[1].reshape(B, nb * w * H, -1) @ ckv).view(B, nb * w, H, d)
+    return out[:, :T]
 
 
 def use_compile(mode):

@@ -138,16 +138,16 @@ sinkhorn_triton.register_autograd(
 # and f with a program a token (53 us). With MoE's new combine, bench_2b's training step went from 64-65 to 62 ms.
 # dx stays tensor ops (hc_post_triton's backward): a pointwise sum over dy that inductor folds into the kernel where
 # autograd adds up the streams' gradient, so it is never written out on its own.
-HC_BLOCK_D = 512  # the forward's columns a program
 
 
 @_jit
 def _hc_post_fwd(f_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, N: tl.constexpr, NP: tl.constexpr,
                  BLOCK_D: tl.constexpr):
-    """Token program_id(0)'s columns [c * BLOCK_D, (c + 1) * BLOCK_D), c = program_id(1): y [NP, BLOCK_D] (rows k),
-    each input stream x_j read as a row and added in with its column of comb."""
+    """Token program_id(0) whole (BLOCK_D >= D): y [NP, BLOCK_D] (rows k), each input stream x_j read as a row and
+    added in with its column of comb. (Programs of 512 columns, 4 warps, as this was before session 22: 43.1 us
+    against 35.3 us alone for bench_2b's 4096 tokens on an H200, bench/probe_hc_post.py.)"""
     t = tl.program_id(0).to(tl.int64)
-    i, d = tl.arange(0, NP), tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    i, d = tl.arange(0, NP), tl.arange(0, BLOCK_D)
     rows, dm = i < N, d < D
     post = tl.load(post_ptr + t * N + i, mask=rows, other=0.0)
     y = post[:, None] * tl.load(f_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)[None, :]
@@ -177,13 +177,11 @@ def _hc_post_bwd(dy_ptr, f_ptr, x_ptr, post_ptr, df_ptr, dpost_ptr, dcomb_ptr, D
         tl.store(dcomb_ptr + (t * N + j) * N + i, tl.sum(xj[None, :] * dy, 1), mask=rows)  # dcomb[j, k]
 
 
-def _hc_launch(kernel, x, whole, *tensors):
-    """Run kernel over x's [..., n, D] tokens: a program a token, whole (BLOCK_D >= D, 8 warps) or a block of
-    HC_BLOCK_D columns (4 warps)."""
+def _hc_launch(kernel, x, *tensors):
+    """Run kernel over x's [..., n, D] tokens, a program a token (8 warps, BLOCK_D >= D)."""
     n, D = x.shape[-2:]
-    n_tok, cols = x.numel() // (n * D), triton.next_power_of_2(D)
-    block, grid = (cols, (n_tok,)) if whole else (min(HC_BLOCK_D, cols), (n_tok, triton.cdiv(D, HC_BLOCK_D)))
-    kernel[grid](*tensors, D, N=n, NP=triton.next_power_of_2(n), BLOCK_D=block, num_warps=8 if whole else 4)
+    kernel[(x.numel() // (n * D),)](*tensors, D, N=n, NP=triton.next_power_of_2(n), BLOCK_D=triton.next_power_of_2(D),
+                                   num_warps=8)
 
 
 @torch.library.custom_op("nano_dsv4::hc_post", mutates_args=())
@@ -191,7 +189,7 @@ def hc_post_triton(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: t
     """model_dsv4.Block.hc_post for f [..., D], x [..., n, D] (one dtype), post [..., n] and comb [..., n, n] fp32:
     the n streams after the sublayer, [..., n, D] in x's dtype. Computed in fp32, as the reference."""
     y = torch.empty_like(x)
-    _hc_launch(_hc_post_fwd, x, False, f.contiguous(), x.contiguous(), post.contiguous(), comb.contiguous(), y)
+    _hc_launch(_hc_post_fwd, x, f.contiguous(), x.contiguous(), post.contiguous(), comb.contiguous(), y)
     return y
 
 
@@ -201,7 +199,7 @@ def _hc_post_sums(dy: torch.Tensor, f: torch.Tensor, x: torch.Tensor,
     """hc_post_triton's backward but for dx: (df in f's dtype, dpost [..., n] and dcomb [..., n, n] fp32)."""
     df, dpost = torch.empty_like(f), torch.empty_like(post)
     dcomb = post.new_empty(*post.shape, post.shape[-1])
-    _hc_launch(_hc_post_bwd, x, True, dy.contiguous(), f.contiguous(), x.contiguous(), post.contiguous(),
+    _hc_launch(_hc_post_bwd, x, dy.contiguous(), f.contiguous(), x.contiguous(), post.contiguous(),
                df, dpost, dcomb)
     return df, dpost, dcomb
 

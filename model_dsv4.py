@@ -389,8 +389,7 @@ class Attention(nn.Module):
             visible = torch.arange(S, device=x.device)[None, :] < ((pos + 1) // self.ratio)[:, None]  # [T, S]
             cmask = self.indexer(x, qr, self.args, visible) if self.indexer is not None else visible[None]
         if self.fast:  # kernels.py: the same softmax by blocks of `sliding_window` queries
-            o = window_attention(q, kv, ckv, cmask, self.attn_sink, self.softmax_scale, self.args.sliding_window,
-                                 self.ratio)
+            o = window_attention(q, kv, ckv, cmask, self.attn_sink, self.softmax_scale, self.args.sliding_window)
             return self.output(o, cos, sin)
         # window: key j visible from query t iff t - window < j <= t
         mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.args.sliding_window))[None]
@@ -496,35 +495,76 @@ def dispatch(x, weights, idx, n_local, group):
     order = flat.to(torch.uint8 if n_local * ep <= 256 else torch.int32).argsort(stable=True)
     # [E] pairs per expert; scatter_add, not bincount, which reads the max id back to the host
     send = torch.zeros(n_local * ep, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    xs = Picks.apply(x, order, inv, idx.shape[1])  # [N * K, D]: row r is token order[r] // K
     if ep == 1:  # nothing to exchange: the counts stay on the device (no host sync)
-        return x[order // idx.shape[1]], weights.flatten()[order], send, (order, None, None, None)
+        return xs, weights.flatten()[order], send, (order, inv, None, None, None)
     recv = send
     if ep > 1:  # recv[r * n_local + j]: pairs rank r sends to my local expert j
         recv = all_to_all_single(torch.empty_like(send), send, None, None, group)
     send_splits = send.view(ep, n_local).sum(1).tolist()  # device -> host sync: the split sizes
     recv_splits = recv.view(ep, n_local).sum(1).tolist()
-    xs = all_to_all(x[order // idx.shape[1]], recv_splits, send_splits, group)  # [R, D], source-rank-major
+    xs = all_to_all(xs, recv_splits, send_splits, group)  # [R, D], source-rank-major
     ws = all_to_all(weights.flatten()[order], recv_splits, send_splits, group)
     # regroup the received rows from (source rank, expert) order to (expert, source rank) order
     chunks = torch.arange(xs.shape[0], device=x.device).split(recv.tolist())
     perm = torch.cat([chunks[r * n_local + j] for j in range(n_local) for r in range(ep)])
     counts = recv.view(ep, n_local).sum(0).tolist()
-    return xs[perm], ws[perm], counts, (order, perm, send_splits, recv_splits)
+    return xs[perm], ws[perm], counts, (order, inv, perm, send_splits, recv_splits)
 
 
 def combine(ys, ctx, n_tokens, top_k, group):
     """The exact reverse of dispatch: ys [R, D] (grouped by local expert) -> fp32 [N, D], summed over top-k."""
-    order, perm, send_splits, recv_splits = ctx
+    order, inv, perm, send_splits, recv_splits = ctx
     out = ys
     if perm is not None:
         ys = ys[torch.argsort(perm)]  # back to (source rank, expert) order
         out = all_to_all(ys, send_splits, recv_splits, group)  # back home, in `order`
-    # out's row r is pair order[r] (token order[r] // top_k, its choice order[r] % top_k): back in pair order by the
-    # inverse permutation, each token's top_k rows are summed in a fixed order. (index_add_ by token, as this was,
-    # adds with fp32 atomics in no fixed order; compiled, a bench_2b layer's forward took 66 us on an H200 against 49
-    # for the gather, bench/probe_combine.py)
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return out[inv].view(n_tokens, top_k, -1).sum(1, dtype=torch.float32)
+    return PickSum.apply(out, order, inv, top_k)
+
+
+# The rows of the (token, pick) pairs sorted by expert: row r is pair order[r], i.e. token order[r] // K and its pick
+# order[r] % K; inv is the inverse permutation (pair p is row inv[p]). dispatch's copy of each token's row once per
+# pick and combine's sum of a token's K rows are each other's transpose, so each one's backward is the other's
+# forward: gathers both ways. (Autograd's backward of an index is a scatter with atomics into zeros, and adds in no
+# fixed order; so did combine's index_add_ by token before session 21: 66 us against 49 us for the gather, a
+# bench_2b layer's forward compiled on an H200, bench/probe_combine.py.)
+
+def spread_rows(x, order, k):
+    """x [N, D] -> [N * K, D]: token order[r] // K's row in row r."""
+    return x[order // k]
+
+
+def sum_picks(rows, inv, k):
+    """rows [N * K, D] in sorted order -> [N, D] in fp32 (or fp64 rows' fp64): each token's K rows back in pair order,
+    summed in a fixed order (its picks 0 .. K - 1)."""
+    return rows[inv].view(-1, k, rows.shape[-1]).sum(1, dtype=torch.promote_types(rows.dtype, torch.float32))
+
+
+class Picks(torch.autograd.Function):
+    """spread_rows with sum_picks as its backward."""
+    @staticmethod
+    def forward(ctx, x, order, inv, k):
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return spread_rows(x, order, k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return sum_picks(grad, ctx.saved_tensors[0], ctx.k).to(grad.dtype), None, None, None
+
+
+class PickSum(torch.autograd.Function):
+    """sum_picks with spread_rows as its backward."""
+    @staticmethod
+    def forward(ctx, rows, order, inv, k):
+        ctx.save_for_backward(order)
+        ctx.k, ctx.dtype = k, rows.dtype
+        return sum_picks(rows, inv, k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return spread_rows(grad, ctx.saved_tensors[0], ctx.k).to(ctx.dtype), None, None, None
 
 
 class MoE(nn.Module):

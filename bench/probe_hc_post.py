@@ -43,14 +43,12 @@ for name, fn in [("matmul", by_matmul), ("streams", by_streams), ("matmul, compi
         print(f"   forward {timed(lambda: fn(f, x, post, comb)) * 1e3:7.1f} us", end="")
     both = timed(lambda: torch.autograd.grad(fn(f, x, post, comb), (f, x, post, comb), dy)) * 1e3
     print(f"   forward+backward {both:7.1f} us", flush=True)
-if dev == "cuda":  # the kernels alone, and the forward's two launch shapes (session 21 launched columns of 512)
+if dev == "cuda":  # the kernels alone (session 22 call 1 also timed the old forward, 512 columns a program: 43.1 us)
     import kernels_triton as kt
     y, args = torch.empty_like(x), [t.detach() for t in (f, x, post, comb)]
-    for whole in (False, True):
-        us = timed(lambda: kt._hc_launch(kt._hc_post_fwd, x, whole, *args, y)) * 1e3
-        shape = "a token a program, 8 warps" if whole else "columns of 512, 4 warps"
-        print(f"_hc_post_fwd alone, {shape:28s} {us:7.1f} us "
-              f"(reads and writes {(3 * x.numel() + f.numel()) * 2 / us / 1e6:.2f} TB/s)")
+    us = timed(lambda: kt._hc_launch(kt._hc_post_fwd, x, *args, y)) * 1e3
+    print(f"_hc_post_fwd alone (a token a program, 8 warps)             {us:7.1f} us "
+          f"(reads and writes {(3 * x.numel() + f.numel()) * 2 / us / 1e6:.2f} TB/s)")
     us = timed(lambda: kt._hc_post_sums(dy, *args[:3])) * 1e3
     print(f"_hc_post_sums alone (the backward's kernel)               {us:7.1f} us "
           f"(reads {(2 * x.numel() + 2 * f.numel()) * 2 / us / 1e6:.2f} TB/s)")

@@ -4,14 +4,14 @@ current form and the alternative tried in session 12, with each one's first call
     an op (one tensor per entry, its backward written out, compiled once on its own; below);
   - a CSA layer's attention (window_attention at 4096 tokens, 16 heads of 512, 1024 compressed entries of which
     512 picked): the softmax over [window | compressed | sink] as one concatenated row (before) against two parts
-    sharing one max and one denominator (kernels.window_attention since session 12), the latter with the query
-    blocks in 1, 2, 4 and 8 groups against the compressed entries each group sees (session 22);
+    sharing one max and one denominator (kernels.window_attention since session 12). Session 22 timed the query
+    blocks in 1, 2, 4 and 8 groups, each against the compressed entries its last query sees, with this probe at
+    commit 613d108: slower (bench/RESULTS.md), so taken out again;
   - the indexer's score (16 heads of 128 against 1024 entries, ReLU, weighted sum over heads): einsum against a
     product and a sum that inductor can fuse with the ReLU;
   - the attention's output (inverse RoPE on the values' rope slice, then the grouped wo_a): einsum against bmm
     on a transposed view.
 python bench/probe_layer.py [sinkhorn] [attention] [indexer] [output] (all four without an argument)"""
-import functools
 import os
 import sys
 import time
@@ -205,9 +205,7 @@ def main(parts=("sinkhorn", "attention", "indexer", "output")):
     cmask = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True) & visible
     go = torch.randn(1, T, H, d, device=dev, dtype=bf, generator=g)
     ref = None
-    variants = [("concatenated row", concat_softmax_attention)] + [
-        (f"two parts, {c} group{'s' if c > 1 else ''}", functools.partial(kernels.window_attention, ratio=4, chunks=c))
-        for c in (1, 2, 4, 8)]
+    variants = (("concatenated row", concat_softmax_attention), ("two parts", kernels.window_attention))
     for name, f in variants if "attention" in parts else ():
         cf = torch.compile(f, backend=BACKEND)
         step = lambda: torch.autograd.grad((cf(q, kv, ckv, cmask, sink, d ** -0.5, w).float() * go).sum(),
@@ -215,7 +213,7 @@ def main(parts=("sinkhorn", "attention", "indexer", "output")):
         c = first_call(step)
         got = torch.cat([x.float().flatten() for x in step()])
         ref = got if ref is None else ref
-        print(f"CSA attention {name:18s} fwd+bwd {timed(step):6.3f} ms   first call (compile) {c:5.1f} s   "
+        print(f"CSA attention {name:16s} fwd+bwd {timed(step):6.3f} ms   first call (compile) {c:5.1f} s   "
               f"grads vs the row {((got - ref).norm() / ref.norm()).item():.1e}", flush=True)
 
     # the indexer's score

@@ -7,12 +7,12 @@ import collections
 import gzip
 import json
 
-KINDS = [  # (kind, what its kernels' names hold), first match wins
-    ("grouped GEMM", ("grouped", "group_gemm")),
-    ("dense GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "ampere_", "wgmma")),
+KINDS = [  # (kind, what its kernels' names hold, lower case), first match wins
     ("Triton, ours", ("_hc_post", "_sinkhorn")),
     ("inductor pointwise", ("triton_poi",)),
     ("inductor reduction", ("triton_red", "triton_per")),
+    ("grouped GEMM", ("groupproblemshape", "grouped_gemm")),  # torch._grouped_mm's CUTLASS kernels
+    ("dense GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "ampere_", "wgmma")),
     ("sort / top-k", ("sort", "topk", "radix", "bitonic")),
     ("copy / fill", ("memcpy", "memset", "copy", "fill")),
 ]

@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from conftest import SMALL, TINY, randomize_
-import kernels
-from kernels import _blocks as blocks
 from kernels import grouped_experts, hc_mixes_bf16, linear_f32, matmul_f32, split_bf16, window_attention
 from model_dsv4 import Transformer, hc_mixes, sink_attention
 
@@ -40,32 +38,6 @@ def test_window_attention_equals_band_mask(T, S):
         outs.append((y, *grads))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("T,ratio,chunks", [(160, 4, 4), (150, 4, 3), (400, 8, 4), (70, 4, 4)])
-def test_window_attention_in_groups_equals_band_mask(T, ratio, chunks, monkeypatch):
-    """With the compressor's ratio, the query blocks go in groups, each against the compressed entries its last query
-    sees (70 tokens: too few entries, one group); forward and gradients equal the reference's all the same. The mask:
-    the indexer's kind, half of the visible entries picked at random."""
-    g = torch.Generator().manual_seed(T)
-    B, H, d, w = 2, 3, 16, 16
-    S = T // ratio
-    q, kv, ckv, sink = (torch.randn(*s, generator=g, requires_grad=True) for s in ((B, T, H, d), (B, T, d),
-                                                                                      (B, S, d), (H,)))
-    visible = torch.arange(S)[None] < ((torch.arange(T) + 1) // ratio)[:, None]
-    cmask = (torch.rand(B, T, S, generator=g) < 0.5) & visible
-    calls = []
-    monkeypatch.setattr(kernels, "_blocks", lambda *a: calls.append(a[0].shape[1]) or blocks(*a))
-    outs = []
-    for fn in (lambda *a: window_attention(*a, ratio=ratio, chunks=chunks), band_reference):
-        y = fn(q, kv, ckv, cmask, sink, 0.25, w)
-        grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum(), (q, kv, sink, ckv))
-        outs.append((y, *grads))
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    nb = -(-T // w)
-    assert calls == ([nb * w] if S <= 2 * w else [((k + 1) * nb // chunks - k * nb // chunks) * w
-                                                   for k in range(chunks)])
 
 
 def test_split_bf16_is_exact_eager_and_compiled():

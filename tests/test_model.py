@@ -149,3 +149,27 @@ def test_top_k_mask_is_a_stable_sorts_first_k():
             idx = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]
             want = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True)
             assert torch.equal(top_k_mask(score, k), want), (S, k)
+
+
+def test_moe_row_moves_equal_index_ops_both_ways():
+    """dispatch's copy of each token's row once per pick (Picks) and combine's sum of a token's rows (PickSum), whose
+    backward passes are gathers written by hand, against the same moves as autograd's index ops (x[order // K]; an
+    index_add_ by token), forward and backward, in fp64; and gradcheck on both."""
+    from model_dsv4 import Picks, PickSum
+    g = torch.Generator().manual_seed(0)
+    N, K, D = 9, 3, 5
+    order = torch.randint(0, 4, (N * K,), generator=g).argsort(stable=True)  # pairs sorted by a random expert id
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(N * K))
+    x = torch.randn(N, D, dtype=torch.float64, generator=g, requires_grad=True)
+    rows = torch.randn(N * K, D, dtype=torch.float64, generator=g, requires_grad=True)
+    dy, drows = torch.randn(N, D, dtype=torch.float64, generator=g), torch.randn(N * K, D, dtype=torch.float64,
+                                                                                  generator=g)
+    cases = ((Picks.apply(x, order, inv, K), x[order // K], x, drows),
+             (PickSum.apply(rows, order, inv, K), torch.zeros(N, D, dtype=torch.float64).index_add(0, order // K, rows),
+              rows, dy))
+    for ours, ref, leaf, grad in cases:
+        torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.autograd.grad(ours, leaf, grad)[0], torch.autograd.grad(ref, leaf, grad)[0],
+                                   rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: Picks.apply(t, order, inv, K), (x,))
+    assert torch.autograd.gradcheck(lambda t: PickSum.apply(t, order, inv, K), (rows,))

@@ -95,7 +95,7 @@ def assert_near(a, b, name=""):
 @pytest.mark.parametrize("n,D,dtype", [(4, 40, torch.float32), (4, 40, torch.bfloat16), (3, 700, torch.float32)])
 def test_hc_post_triton_equals_reference(n, D, dtype):
     """Forward and the gradients of all four inputs equal Block.hc_post's (eager, its batched matmul). n = 3 pads to
-    4 rows; D = 700 is two blocks of 512 columns, the second partly masked."""
+    4 rows; D = 700 is a block of 1024 columns, partly masked."""
     ins = hc_inputs(n, D, dtype, seed=D + n)
     y, ref = hc_post_triton(*ins), Block.hc_post(REF, *ins)
     assert_near(y, ref, "y")
@@ -159,7 +159,7 @@ def test_kernels_compile_for_h200_and_mi355x():
     the CPU and failed to compile on the GPU: an `if` whose branches gave two shapes). So every kernel is also
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
-    (D 1536: the backward's block 2048). In a subprocess: this process's kernels are interpreted."""
+    (D 1536: a block of 2048, a token a program). In a subprocess: this process's kernels are interpreted."""
     code = """
 import kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
@@ -167,8 +167,8 @@ from triton.compiler import ASTSource
 # (kernel, constexprs, scalar arguments, bf16 pointers (the others fp32), warps)
 kernels = [(fn, {"STEPS": 39, "N": 4, "NP": 4, "BLOCK": kt.BLOCK}, {"n_tok": "i32", "eps": "fp32"}, (), 1)
            for fn in (kt._sinkhorn_fwd, kt._sinkhorn_bwd)]
-kernels += [(fn, {"N": 4, "NP": 4, "BLOCK_D": block}, {"D": "i32"}, ("f_ptr", "x_ptr", "y_ptr", "dy_ptr", "df_ptr"),
-             warps) for fn, block, warps in ((kt._hc_post_fwd, kt.HC_BLOCK_D, 4), (kt._hc_post_bwd, 2048, 8))]
+kernels += [(fn, {"N": 4, "NP": 4, "BLOCK_D": 2048}, {"D": "i32"}, ("f_ptr", "x_ptr", "y_ptr", "dy_ptr", "df_ptr"),
+             8) for fn in (kt._hc_post_fwd, kt._hc_post_bwd)]
 for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "gfx950", 64), "hsaco")):
     for fn, consts, scalars, bf16, warps in kernels:
         ptrs = {a: "*bf16" if a in bf16 else "*fp32" for a in fn.arg_names if a.endswith("_ptr")}
