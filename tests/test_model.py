@@ -173,3 +173,16 @@ def test_moe_row_moves_equal_index_ops_both_ways():
                                    rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda t: Picks.apply(t, order, inv, K), (x,))
     assert torch.autograd.gradcheck(lambda t: PickSum.apply(t, order, inv, K), (rows,))
+
+
+def test_rope_angles_op_matches_its_fake_and_the_formula():
+    """model_dsv4.rope_angles (the op that keeps cos and sin out of inductor's fused kernels): torch.library.opcheck
+    (its fake shapes, schema, and use under compile) for the prefill's positions [T] and the decode's [B, 1], and its
+    values against cos and sin of pos * inv."""
+    from model_dsv4 import rope_angles
+    inv = torch.rand(8)
+    for pos in (torch.arange(13), torch.tensor([[3], [70], [5]])):
+        torch.library.opcheck(rope_angles, (pos, inv))
+        cos, sin = rope_angles(pos, inv)
+        ang = pos.float()[:, None] * inv  # [T, 8] or [B, 1, 8]
+        assert cos.shape == ang.shape and torch.equal(cos, ang.cos()) and torch.equal(sin, ang.sin())
