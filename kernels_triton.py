@@ -134,8 +134,9 @@ sinkhorn_triton.register_autograd(
 # per token dpost_k = <dy_k, f> and dcomb[j, k] = <x_j, dy_k>: 4 + 16 sums over D. Compiled as tensor ops, the
 # sums took five kernels that read dy three times (~118 us a sublayer for 4096 tokens of bench_2b on an H200), and
 # the forward fused into the next hc_pre's norm as one 81 us reduction (bench/RESULTS.md, session 21). Here the
-# forward is one pointwise kernel (39 us for those 4096 tokens), and the backward's sums and df one pass over dy, x
-# and f with a program a token (53 us). With MoE's new combine, bench_2b's training step went from 64-65 to 62 ms.
+# forward is one pointwise kernel (39 us for those 4096 tokens; 28 us a token a program, session 22), and the
+# backward's sums and df one pass over dy, x and f with a program a token (53 us). With MoE's new combine, bench_2b's
+# training step went from 64-65 to 62 ms.
 # dx stays tensor ops (hc_post_triton's backward): a pointwise sum over dy that inductor folds into the kernel where
 # autograd adds up the streams' gradient, so it is never written out on its own.
 
