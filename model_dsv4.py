@@ -212,10 +212,9 @@ def rope_cos_sin(args, ratio, pos):
 
 @torch.library.custom_op("nano_dsv4::rope_angles", mutates_args=())
 def rope_angles(pos: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of pos[:, None] * inv, fp32. An op of its own, opaque to torch.compile: inductor otherwise folds
-    the cos into each kernel that rotates by it and computes it again for every element that kernel writes (the
-    masked lanes of a concatenation too). On an H200 the inverse RoPE on bench_2b's attention output [4096, 16, 512]
-    took 139 us in the window layers, where moving its bytes takes ~35 (bench/RESULTS.md, session 22)."""
+    """cos and sin of pos[:, None] * inv, fp32. An op of its own, opaque to torch.compile, which otherwise computes
+    cos again for every element of each tensor it rotates (bench_2b's inverse RoPE on an H200: 140 -> 90 us a window
+    layer, bench/RESULTS.md, session 22)."""
     ang = pos.float()[:, None] * inv[None, :]
     return ang.cos(), ang.sin()
 
@@ -510,7 +509,7 @@ def dispatch(x, weights, idx, n_local, group):
     order = flat.to(torch.uint8 if n_local * ep <= 256 else torch.int32).argsort(stable=True)
     # [E] pairs per expert; scatter_add, not bincount, which reads the max id back to the host
     send = torch.zeros(n_local * ep, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    inv = inverse_permutation(order)
     xs = Picks.apply(x, order, inv, idx.shape[1])  # [N * K, D]: row r is token order[r] // K
     if ep == 1:  # nothing to exchange: the counts stay on the device (no host sync)
         return xs, weights.flatten()[order], send, (order, inv, None, None, None)
@@ -538,12 +537,15 @@ def combine(ys, ctx, n_tokens, top_k, group):
     return PickSum.apply(out, order, inv, top_k)
 
 
-# The rows of the (token, pick) pairs sorted by expert: row r is pair order[r], i.e. token order[r] // K and its pick
-# order[r] % K; inv is the inverse permutation (pair p is row inv[p]). dispatch's copy of each token's row once per
-# pick and combine's sum of a token's K rows are each other's transpose, so each one's backward is the other's
-# forward: gathers both ways. (Autograd's backward of an index is a scatter with atomics into zeros, and adds in no
-# fixed order; so did combine's index_add_ by token before session 21: 66 us against 49 us for the gather, a
-# bench_2b layer's forward compiled on an H200, bench/probe_combine.py.)
+# The (token, pick) pairs sorted by expert: row r is pair order[r] (token order[r] // K, its pick order[r] % K), and
+# pair p is row inv[p]. dispatch's copy of each token's row once per pick and combine's sum of a token's K rows are
+# each other's transpose, so each one's backward is the other's forward: gathers both ways, where autograd's backward
+# of an index scatters with atomics into zeros, in no fixed order (bench_2b's step: 1.85 -> 0.50 ms of fills and
+# scatters on an H200, bench/RESULTS.md, session 22).
+
+def inverse_permutation(order):
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
 
 def spread_rows(x, order, k):
     """x [N, D] -> [N * K, D]: token order[r] // K's row in row r."""

@@ -11,17 +11,13 @@ import torch
 from probe_timing import timed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model_dsv4 import Picks, PickSum  # noqa: E402
+from model_dsv4 import Picks, PickSum, inverse_permutation as inverse  # noqa: E402
 
 T, K, D = 4096, 6, 1536
 
 
 def index_add(out, order):
     return torch.zeros(T, D, dtype=torch.float32, device=out.device).index_add_(0, order // K, out.float())
-
-
-def inverse(order):
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
 def gather(out, order):

@@ -155,11 +155,11 @@ def test_moe_row_moves_equal_index_ops_both_ways():
     """dispatch's copy of each token's row once per pick (Picks) and combine's sum of a token's rows (PickSum), whose
     backward passes are gathers written by hand, against the same moves as autograd's index ops (x[order // K]; an
     index_add_ by token), forward and backward, in fp64; and gradcheck on both."""
-    from model_dsv4 import Picks, PickSum
+    from model_dsv4 import Picks, PickSum, inverse_permutation
     g = torch.Generator().manual_seed(0)
     N, K, D = 9, 3, 5
     order = torch.randint(0, 4, (N * K,), generator=g).argsort(stable=True)  # pairs sorted by a random expert id
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(N * K))
+    inv = inverse_permutation(order)
     x = torch.randn(N, D, dtype=torch.float64, generator=g, requires_grad=True)
     rows = torch.randn(N * K, D, dtype=torch.float64, generator=g, requires_grad=True)
     dy, drows = torch.randn(N, D, dtype=torch.float64, generator=g), torch.randn(N * K, D, dtype=torch.float64,
