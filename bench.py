@@ -43,8 +43,9 @@ p.add_argument("--compile", default="off", choices=["off", "hot", "layers", "gra
                help="kernels.compile_hot_paths() (hot) or kernels.compile_layers() (layers; graphs: with CUDA graphs of "
                     "each layer's forward and backward, GPU only) before building the models")
 p.add_argument("--invariant", action="store_true", help="mismatch: both sides path-invariant (model.set_invariant)")
-p.add_argument("--profile", action="store_true", help="train: print the top CUDA/CPU ops of one step of ours")
-p.add_argument("--trace", default="", help="train with --profile: also write the step's trace (chrome://tracing JSON) here")
+p.add_argument("--profile", action="store_true", help="train, decode: print the top CUDA/CPU ops of ours (one training "
+               "step; four decode steps)")
+p.add_argument("--trace", default="", help="with --profile: also write the profiled steps' trace (chrome://tracing JSON) here")
 p.add_argument("--layers", type=int, default=0, help="keep only the first N trunk layers (less memory; 0 = all)")
 cli = p.parse_args()
 if cli.compile == "graphs" and not torch.cuda.is_available():
@@ -218,6 +219,8 @@ def bench_decode(ours, ref, args, device, versions):
                 engine.decode(slots, prompts[:, 0], pos)
             sync(device)
         print_profile(prof, device, (time.perf_counter() - t0) / 4, per=4)
+        if cli.trace:  # bench/trace_summary.py TRACE --per=4: a step's kernels
+            prof.export_chrome_trace(cli.trace)
     print(f"  floor: {w_bytes / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV per step at {bw / 1e12:.2f} TB/s copy "
           f"bandwidth = {floor * 1e3:.2f} ms/step; ours {times['nano-dsv4-rl'] / cli.new_tokens / floor:.1f}x the floor")
 
