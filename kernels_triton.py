@@ -5,12 +5,15 @@ agree, forward and backward, and compiles the kernels for sm_90 and gfx950):
   - sinkhorn_triton: mHC's Sinkhorn loop (model_dsv4.sinkhorn) as one kernel forward and one backward.
   - hc_post_triton: mHC's write-back of a sublayer into the n streams (model_dsv4.Block.hc_post) as one kernel
     forward and one for the backward's reductions.
+  - decode_attention_triton: the engine's decode attention (kv_cache.py; model_dsv4.sink_attention over each
+    sequence's cached window keys and compressed entries) as one kernel that reads the keys in place.
 
 Each is a torch.library custom op, so torch.compile keeps it as it is and a CUDA graph records it. Triton ships with
 torch's GPU builds (CUDA and ROCm). Without a GPU, Triton's interpreter runs the same kernels on CPU tensors: the
 tests use that; the model takes the reference there (has_triton).
 """
 import os
+from typing import Optional
 
 import torch
 
@@ -224,6 +227,105 @@ def _hc_post_backward(ctx, dy):
 
 
 hc_post_triton.register_autograd(_hc_post_backward, setup_context=_hc_post_setup)
+
+
+# ----------------------------------------------------------------------------- decode attention
+# A decode step attends one query token per sequence (H heads, one shared K = V head of dim d) to the sequence's cached
+# window keys and compressed entries. As tensor ops that was a gather of each sequence's keys from its cache slot and
+# a concatenation (written out, fp32: 25 us a CSA layer of bench_2b at batch 64 on an H200), an fp32 GEMM on it (43
+# us), the masked softmax and a bf16 GEMM (25 us): ~100 us of a CSA layer, ~35 us of a window layer, 0.9 ms of the
+# 5.4 ms step (bench/RESULTS.md, session 23). Here a program takes a sequence and 16 heads and reads its keys where
+# they are, a block at a time, skipping blocks with no key to attend (compressed entries not yet written, or not
+# picked by the indexer). Two passes over the keys, so that the probabilities are the reference's, rounded to the
+# keys' dtype after the division: the row max and denominator (online), then the probabilities times the keys. The
+# second pass mostly reads L2.
+
+HEADS = 16  # heads a program: tl.dot's smallest M
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@_jit
+def _dot(a, b, F32: tl.constexpr):
+    """tl.dot(a, b) in fp32. F32 multiplies fp32 copies in full fp32 ("ieee", not the tensor cores' tf32): for fp32
+    inputs, and in Triton's interpreter, whose bf16 dot returns garbage in Triton 3.9 (the same exact products of
+    bf16 numbers, summed in fp32 as the tensor cores sum them)."""
+    if F32:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b)
+    return r
+
+
+@_jit
+def _decode_keep(mask_ptr, b, start, L, BLOCK_N: tl.constexpr):
+    """Which of keys start.. start+BLOCK_N-1 sequence b attends (its mask row), and whether any."""
+    n = start + tl.arange(0, BLOCK_N)
+    keep = tl.load(mask_ptr + b * L + n, mask=n < L, other=0) != 0
+    return n, keep, tl.max(keep.to(tl.int32), 0) > 0
+
+
+@_jit
+def _decode_block(q, win_ptr, comp_ptr, slot, n, keep, W, D, n_comp, scale, d, dm, F32: tl.constexpr):
+    """Keys n of cache row slot (the window's W, then the compressed entries), those kept loaded (the rest 0):
+    (keys [BLOCK_N, DP], logits [HEADS, BLOCK_N] fp32, -inf where not kept)."""
+    rows = tl.where(n < W, win_ptr + (slot * W + n) * D, comp_ptr + (slot * n_comp + n - W) * D)
+    k = tl.load(rows[:, None] + d[None, :], mask=keep[:, None] & dm[None, :], other=0.0)
+    return k, tl.where(keep[None, :], _dot(q, tl.trans(k), F32) * scale, float("-inf"))
+
+
+@_jit
+def _decode_attn(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, out_ptr, scale, H, D, W, S, n_comp,
+                 HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
+    """Sequence program_id(0), heads program_id(1) * HEADS on: q [HEADS, DP] against the L = W + S keys whose mask
+    byte is set, and the sink."""
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    d = tl.arange(0, DP)
+    hm, dm, L = h < H, d < D, W + S
+    q = tl.load(q_ptr + (b * H + h[:, None]) * D + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+    sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
+    mx, den = sink, tl.zeros([HEADS], dtype=tl.float32)  # the sink is in the row max and the denominator
+    for start in range(0, L, BLOCK_N):
+        n, keep, some = _decode_keep(mask_ptr, b, start, L, BLOCK_N)
+        if some:
+            k, logits = _decode_block(q, win_ptr, comp_ptr, slot, n, keep, W, D, n_comp, scale, d, dm, F32)
+            new = tl.maximum(mx, tl.max(logits, 1))
+            den = den * tl.exp(mx - new) + tl.sum(tl.exp(logits - new[:, None]), 1)
+            mx = new
+    den += tl.exp(sink - mx)
+    acc = tl.zeros([HEADS, DP], dtype=tl.float32)
+    for start in range(0, L, BLOCK_N):
+        n, keep, some = _decode_keep(mask_ptr, b, start, L, BLOCK_N)
+        if some:
+            k, logits = _decode_block(q, win_ptr, comp_ptr, slot, n, keep, W, D, n_comp, scale, d, dm, F32)
+            p = tl.exp(logits - mx[:, None]) / den[:, None]
+            acc += _dot(p.to(k.dtype), k, F32)
+    tl.store(out_ptr + (b * H + h[:, None]) * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=hm[:, None] & dm[None, :])
+
+
+@torch.library.custom_op("nano_dsv4::decode_attention", mutates_args=())
+def decode_attention_triton(q: torch.Tensor, win: torch.Tensor, comp: Optional[torch.Tensor], slots: torch.Tensor,
+                            mask: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """sink_attention for one query token per sequence, reading its keys from the caches: q [B, H, d]; win
+    [slots, W, d] and comp [slots, n, d] (or None) the caches (contiguous, q's dtype: bf16, or fp32 for the tests),
+    slots [B] each sequence's row, mask bool [B, W + S]: which of the row's W window keys and first S compressed
+    entries to attend; sink [H] fp32 -> [B, H, d] in q's dtype."""
+    B, H, D = q.shape
+    W = win.shape[1]
+    comp = win if comp is None else comp  # not read: S = 0
+    assert win.is_contiguous() and comp.is_contiguous() and q.dtype == win.dtype == comp.dtype
+    assert q.dtype in (torch.bfloat16, torch.float32), q.dtype
+    out = torch.empty_like(q)
+    _decode_attn[(B, triton.cdiv(H, HEADS))](
+        q.contiguous(), win, comp, slots.contiguous(), mask.contiguous().view(torch.uint8), sink.float().contiguous(),
+        out, scale, H, D, W, mask.shape[1] - W, comp.shape[1], HEADS=HEADS, DP=triton.next_power_of_2(D),
+        BLOCK_N=DECODE_BLOCK_N, F32=INTERPRETED or q.dtype == torch.float32, num_warps=4)
+    return out
+
+
+DECODE_BLOCK_N = 32
+decode_attention_triton.register_fake(lambda q, *rest: torch.empty_like(q))
 
 
 def has_triton(t):

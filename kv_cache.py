@@ -16,6 +16,7 @@ CUDA graph.
 """
 import torch
 
+from kernels_triton import decode_attention_triton, has_triton
 from model_dsv4 import rope_cos_sin, sink_attention, top_k_mask
 
 
@@ -131,8 +132,9 @@ class KVCache:
         W = a.sliding_window
         c["win"][slots, pos % W] = attn.window_kv(h, cos, sin)[:, 0]
         c["win_pos"][slots, pos % W] = pos
-        keys, wpos = c["win"][slots], c["win_pos"][slots]  # [B, W, d], [B, W]
+        wpos = c["win_pos"][slots]  # [B, W]
         mask = ((wpos >= 0) & (wpos > pos[:, None] - W) & (wpos <= pos[:, None]))[:, None]  # [B, 1, W]
+        S = 0
         if attn.ratio:
             self._compressor_step(attn.compressor, h, c, "comp", slots, pos)
             n_vis = (pos + 1) // attn.ratio  # entries whose whole window is at or before pos
@@ -146,7 +148,12 @@ class KVCache:
                 score = attn.indexer.scores(h, qr, c["idx"][slots, :S], cos, sin)[:, 0]  # [B, S]
                 score = score.masked_fill(~visible, float("-inf"))
                 visible = visible & top_k_mask(score, attn.indexer.topk)
-            keys = torch.cat([keys, c["comp"][slots, :S]], dim=1)
             mask = torch.cat([mask, visible[:, None]], dim=-1)
-        o = sink_attention(q, keys, mask, attn.attn_sink, attn.softmax_scale)
+        if attn.fast and has_triton(q) and not torch.is_grad_enabled():  # kernels_triton.py: keys read in place
+            o = decode_attention_triton(q[:, 0], c["win"], c.get("comp"), slots, mask[:, 0], attn.attn_sink,
+                                        attn.softmax_scale)[:, None]
+        else:
+            keys = c["win"][slots]  # [B, W, d], then the compressed entries
+            keys = torch.cat([keys, c["comp"][slots, :S]], dim=1) if S else keys
+            o = sink_attention(q, keys, mask, attn.attn_sink, attn.softmax_scale)
         return attn.output(o, cos, sin)

@@ -207,7 +207,14 @@ def rope_cos_sin(args, ratio, pos):
     else:
         items = tuple(sorted((args.rope_scaling or {}).items()))
         inv = rope_inv_freq(args.qk_rope_head_dim, float(args.compress_rope_theta), items, pos.device)
-    return rope_angles(pos, inv)
+    # decode's [B, 1] positions: a few numbers, which torch.compile folds into the kernels that rotate by them (the
+    # op ran four small kernels of its own for each of bench_2b's 26 calls a decode step, session 23)
+    return angles(pos, inv) if pos.dim() > 1 else rope_angles(pos, inv)
+
+
+def angles(pos, inv):
+    ang = pos.float()[:, None] * inv[None, :]
+    return ang.cos(), ang.sin()
 
 
 @torch.library.custom_op("nano_dsv4::rope_angles", mutates_args=())
@@ -215,8 +222,7 @@ def rope_angles(pos: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, tor
     """cos and sin of pos[:, None] * inv, fp32. An op of its own, opaque to torch.compile, which otherwise computes
     cos again for every element of each tensor it rotates (bench_2b's inverse RoPE on an H200: 140 -> 90 us a window
     layer, bench/RESULTS.md, session 22)."""
-    ang = pos.float()[:, None] * inv[None, :]
-    return ang.cos(), ang.sin()
+    return angles(pos, inv)
 
 
 @rope_angles.register_fake

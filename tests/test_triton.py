@@ -1,6 +1,7 @@
 """kernels_triton.py's kernels against the code they replace: sinkhorn_triton (mHC's Sinkhorn loop as one Triton kernel
 forward and one backward) against model_dsv4.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
-model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile. Without a GPU, kernels_triton.py runs
+model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile; decode_attention_triton against
+model_dsv4.sink_attention on the gathered keys, alone and in the engine's decode. Without a GPU, kernels_triton.py runs
 Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
 import copy
 import os
@@ -12,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels_triton import hc_post_triton, sinkhorn_triton  # before triton: without a GPU it turns on the interpreter
+from kernels_triton import decode_attention_triton, hc_post_triton, sinkhorn_triton  # before triton: without a GPU
+import kv_cache                                                                        # it turns on the interpreter
 import model_dsv4
 import parallel
 from conftest import SMALL, TINY, randomize_
-from model_dsv4 import Block, Transformer, sinkhorn
+from model_dsv4 import Block, Transformer, sink_attention, sinkhorn
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
 
@@ -154,12 +156,72 @@ def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
         assert (a - b).abs().max() <= 5e-5 * b.abs().max() + 1e-6 * top, n
 
 
+@pytest.mark.parametrize("H,D,compressed,dtype", [(3, 40, True, torch.float32), (20, 32, False, torch.float32),
+                                                   (16, 64, True, torch.bfloat16)])
+def test_decode_attention_triton_equals_sink_attention(H, D, compressed, dtype):
+    """One query token per sequence against its cache rows (slots out of order, one cache row never read), the
+    window's 8 keys and the first 50 of 60 compressed entries (two blocks of keys: one row attends nothing in the
+    second, one nothing at all), against sink_attention on the keys gathered and concatenated, and exact attention
+    in fp64. Heads 3 and 20 (padded to blocks of 16), head dims 40 and 32 (padded to a power of two). fp32: to 1e-5
+    of the largest output. bf16 (the engine's): the reference to a rounding, the kernel to two (the interpreter
+    truncates where the GPU rounds: probabilities and output)."""
+    g = torch.Generator().manual_seed(H)
+    B, W, n_comp, S = 5, 8, 60, 50 if compressed else 0
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEV, dtype)
+    q, win, comp, sink = rnd(B, H, D) * 2, rnd(B + 1, W, D), rnd(B + 1, n_comp, D) if compressed else None, rnd(H)
+    slots = torch.randperm(B + 1, generator=g)[:B].to(DEV)
+    mask = torch.rand(B, W + S, generator=g).to(DEV) < 0.6
+    mask[1] = False
+    mask[2, 32:] = False
+    out = decode_attention_triton(q, win, comp, slots, mask, sink.float(), D ** -0.5)
+    keys = torch.cat([win[slots], comp[slots, :S]], 1) if compressed else win[slots]
+    ref = sink_attention(q[:, None], keys, mask[:, None], sink.float(), D ** -0.5)[:, 0]
+    exact = sink_attention(q[:, None].double(), keys.double(), mask[:, None], sink.double(), D ** -0.5)[:, 0]
+    assert out.shape == ref.shape and out.dtype == dtype and (out[1] == 0).all()  # the sink took all of row 1
+    top = exact.abs().max()
+    if dtype == torch.float32:
+        assert (out.double() - exact).abs().max() <= 1e-5 * top
+    else:
+        assert (ref.double() - exact).abs().max() <= 2 ** -8 * top
+        assert (out.double() - exact).abs().max() <= 2 ** -6 * top
+
+
+def test_engine_decode_on_triton_attention_equals_reference(monkeypatch):
+    """The engine's decode with the kernel (static caches, read whole and masked, as under CUDA graphs) against the
+    reference path (each sequence's entries up to its own count, gathered): TINY's window, CSA and HCA layers decode
+    14 tokens in cache rows 2, 0, 3 after prompts of 3, 20 and 37 tokens (past the 32-token window and across CSA
+    and HCA windows), both sides fed the same tokens. fp32, so that a wrong key or mask is not lost in bf16's noise
+    (which this random model amplifies: the bf16 reference alone, static against not, parts by 0.7 on logits of 4.8);
+    7e-6 apart on the CPU."""
+    monkeypatch.setattr(kv_cache, "has_triton", lambda t: True)
+    model = randomize_(Transformer(copy.deepcopy(TINY), dtype=torch.float32), TINY.n_routed_experts,
+                       TINY.num_experts_per_tok, seed=2).to(DEV)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, TINY.vocab_size, (n,), generator=g).tolist() for n in (3, 20, 37)]
+    tokens = torch.randint(2, TINY.vocab_size, (14, 3), generator=g).to(DEV)
+    slots = torch.tensor([2, 0, 3], device=DEV)
+    logits = []
+    for fast in (True, False):
+        for layer in model.layers.values():
+            layer.attn.fast = fast
+        cache = kv_cache.KVCache(model, 4, 64, DEV, static=fast)
+        out = []
+        with torch.no_grad():
+            cache.prefill(model, slots.tolist(), prompts)
+            for i, t in enumerate(tokens):
+                out.append(cache.decode(model, slots, t, torch.tensor([len(p) + i for p in prompts], device=DEV)))
+        logits.append(torch.stack(out).float())
+    fast, ref = logits
+    assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max(), ((fast - ref).abs().max(), ref.abs().max())
+
+
 def test_kernels_compile_for_h200_and_mi355x():
     """Triton's interpreter runs code that its compiler refuses (session 14's first kernel passed the tests above on
     the CPU and failed to compile on the GPU: an `if` whose branches gave two shapes). So every kernel is also
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
-    (D 1536: a block of 2048, a token a program). In a subprocess: this process's kernels are interpreted."""
+    (D 1536: a block of 2048, a token a program); decode attention at head dim 512. In a subprocess: this process's
+    kernels are interpreted."""
     code = """
 import kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
@@ -169,9 +231,12 @@ kernels = [(fn, {"STEPS": 39, "N": 4, "NP": 4, "BLOCK": kt.BLOCK}, {"n_tok": "i3
            for fn in (kt._sinkhorn_fwd, kt._sinkhorn_bwd)]
 kernels += [(fn, {"N": 4, "NP": 4, "BLOCK_D": 2048}, {"D": "i32"}, ("f_ptr", "x_ptr", "y_ptr", "dy_ptr", "df_ptr"),
              8) for fn in (kt._hc_post_fwd, kt._hc_post_bwd)]
+kernels += [(kt._decode_attn, {"HEADS": kt.HEADS, "DP": 512, "BLOCK_N": kt.DECODE_BLOCK_N, "F32": False},
+             {"scale": "fp32", **{a: "i32" for a in ("H", "D", "W", "S", "n_comp")}, "slot_ptr": "*i64",
+              "mask_ptr": "*u8"}, ("q_ptr", "win_ptr", "comp_ptr", "out_ptr"), 4)]
 for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "gfx950", 64), "hsaco")):
     for fn, consts, scalars, bf16, warps in kernels:
-        ptrs = {a: "*bf16" if a in bf16 else "*fp32" for a in fn.arg_names if a.endswith("_ptr")}
+        ptrs = {a: "*bf16" if a in bf16 else scalars.get(a, "*fp32") for a in fn.arg_names if a.endswith("_ptr")}
         sig = {**ptrs, **scalars, **{a: "constexpr" for a in consts}}
         src = ASTSource(fn, sig, constexprs=consts)
         assert binary in triton.compile(src, target=target, options={"num_warps": warps}).asm, (target, fn)
@@ -180,4 +245,4 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 8, out.stdout
+    assert out.stdout.count("compiled") == 10, out.stdout
