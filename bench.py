@@ -187,6 +187,10 @@ def bench_decode(ours, ref, args, device, versions):
         engine.decode(slots, prompts[:, 0], pos)
     sync(device)
     t_model = (time.perf_counter() - t0) / 20
+    t0 = time.perf_counter()  # the prefill of the batch's prompts (eager) and its first token, part of the rest
+    run_ours(1)
+    sync(device)
+    t_prefill = time.perf_counter() - t0
     # the floor of one step at the mean context length
     E, K, B = args.n_routed_experts, args.num_experts_per_tok, cli.batch
     touched = E * (1 - (1 - K / E) ** B)  # expected experts hit by B tokens' K picks (uniform routing)
@@ -209,7 +213,8 @@ def bench_decode(ours, ref, args, device, versions):
     print(f"  ratio ours / transformers: {times['transformers'] / times['nano-dsv4-rl']:.2f}x; "
           f"identical greedy outputs: {same}/{cli.batch} sequences")
     print(f"  ours, the model's decode step alone: {t_model * 1e3:.2f} ms; the rest of a step (sampling, scheduling): "
-          f"{(times['nano-dsv4-rl'] / cli.new_tokens - t_model) * 1e3:.2f} ms")
+          f"{(times['nano-dsv4-rl'] / cli.new_tokens - t_model) * 1e3:.2f} ms, of which the prefill and first token "
+          f"({t_prefill * 1e3:.0f} ms) spread over the steps {t_prefill / cli.new_tokens * 1e3:.2f} ms")
     if cli.profile:  # the model's step alone as timed above (on a GPU the kernels of the graph it replays)
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -504,18 +504,15 @@ def all_to_all(x, out_splits, in_splits, group):
     return AllToAll.apply(x, out_splits, in_splits, group) if group_size(group) > 1 else x
 
 
-def dispatch(x, weights, idx, n_local, group):
+def dispatch(x, weights, idx, n_local, group, count=False):
     """Send every (token, expert) pair to the rank holding the expert; experts are sharded in contiguous
     blocks of n_local over the EP group. x: [N, D], weights/idx: [N, K] ->
     rows xs [R, D] and weights ws [R] grouped by local expert, counts per local expert, and what combine needs."""
     ep = group_size(group)
     flat = idx.flatten()
-    # pairs sorted by expert, hence by destination rank; on the narrowest key that holds an expert id: a GPU's radix
-    # sort takes one pass per byte of key (8 for int64: bench_2b's 24576 pairs took ~50 us, 12 layers, on an H200)
-    order = flat.to(torch.uint8 if n_local * ep <= 256 else torch.int32).argsort(stable=True)
+    order, inv = expert_order(flat, n_local * ep, count)  # pairs sorted by expert, hence by destination rank
     # [E] pairs per expert; scatter_add, not bincount, which reads the max id back to the host
     send = torch.zeros(n_local * ep, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    inv = inverse_permutation(order)
     xs = Picks.apply(x, order, inv, idx.shape[1])  # [N * K, D]: row r is token order[r] // K
     if ep == 1:  # nothing to exchange: the counts stay on the device (no host sync)
         return xs, weights.flatten()[order], send, (order, inv, None, None, None)
@@ -551,6 +548,21 @@ def combine(ys, ctx, n_tokens, top_k, group):
 
 def inverse_permutation(order):
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def expert_order(flat, n_experts, count=False):
+    """(order, inv) of the pairs' expert ids flat [P] sorted stably: a radix sort on the narrowest key that holds an
+    id (a GPU's takes one pass per byte of key: 8 for int64, ~50 us for bench_2b's 24576 pairs in 12 layers on an
+    H200). count (a decode step's few hundred pairs): pair p's row is the number of pairs of lower experts plus its
+    own expert's pairs before it, from an [E, P] table (torch.compile sorted bench_2b's 384 in one 14 us kernel a
+    layer on an H200, session 23). Both give the same order."""
+    if not count:
+        order = flat.to(torch.uint8 if n_experts <= 256 else torch.int32).argsort(stable=True)
+        return order, inverse_permutation(order)
+    hit = (flat[None, :] == torch.arange(n_experts, device=flat.device)[:, None]).long()  # [E, P]
+    before = hit.sum(1).cumsum(0) - hit.sum(1)  # pairs of lower experts
+    inv = before[flat] + (hit.cumsum(1) - hit).gather(0, flat[None, :])[0]
+    return inverse_permutation(inv), inv
 
 
 def spread_rows(x, order, k):
@@ -635,7 +647,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, idx = self.gate(x, ids.reshape(-1))
-        xs, ws, counts, ctx = dispatch(x, weights, idx, self.n_local, self.ep_group)
+        xs, ws, counts, ctx = dispatch(x, weights, idx, self.n_local, self.ep_group, count=shape[1] == 1)
         y = combine(self.run_experts(xs, ws, counts), ctx, x.shape[0], idx.shape[1], self.ep_group)
         return (y + self.shared_experts(x).float()).to(x.dtype).view(shape)
 
