@@ -226,6 +226,24 @@ def bench_decode(ours, ref, args, device, versions):
         print_profile(prof, device, (time.perf_counter() - t0) / 4, per=4)
         if cli.trace:  # bench/trace_summary.py TRACE --per=4: a step's kernels
             prof.export_chrome_trace(cli.trace)
+        # the engine's own loop, mid-generation: 8 steps of decode, sampling and the host's bookkeeping, to see where
+        # the rest of a step goes (the device idle between steps, the host's ops)
+        sp = SamplingParams(temperature=0.0, max_new_tokens=cli.new_tokens, ignore_eos=True)
+        reqs = [engine.submit(p, sp, f"loop{i}") for i, p in enumerate(prompts.tolist())]
+        for _ in range(4):
+            engine.step()
+        sync(device)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(8):
+                engine.step()
+            sync(device)
+        print("  the engine's loop, 8 steps mid-generation:")
+        print_profile(prof, device, (time.perf_counter() - t0) / 8, per=8)
+        while not all(r.done.is_set() for r in reqs):
+            engine.step()
+        if cli.trace:
+            prof.export_chrome_trace(cli.trace.replace(".json", "") + ".loop.json")
     print(f"  floor: {w_bytes / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV per step at {bw / 1e12:.2f} TB/s copy "
           f"bandwidth = {floor * 1e3:.2f} ms/step; ours {times['nano-dsv4-rl'] / cli.new_tokens / floor:.1f}x the floor")
 
