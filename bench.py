@@ -45,7 +45,8 @@ p.add_argument("--compile", default="off", choices=["off", "hot", "layers", "gra
 p.add_argument("--invariant", action="store_true", help="mismatch: both sides path-invariant (model.set_invariant)")
 p.add_argument("--profile", action="store_true", help="train, decode: print the top CUDA/CPU ops of ours (one training "
                "step; four decode steps)")
-p.add_argument("--trace", default="", help="with --profile: also write the profiled steps' trace (chrome://tracing JSON) here")
+p.add_argument("--trace", default="", help="with --profile: also write the profiled steps' trace (chrome://tracing "
+               "JSON) here")
 p.add_argument("--layers", type=int, default=0, help="keep only the first N trunk layers (less memory; 0 = all)")
 cli = p.parse_args()
 if cli.compile == "graphs" and not torch.cuda.is_available():

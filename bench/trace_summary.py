@@ -44,8 +44,10 @@ def main():
     total = sum(t for t, _ in by_kind.values())
     first = min(e["ts"] for e in kernels)
     last = max(e["ts"] + e["dur"] for e in kernels)
-    print(f"{len(kernels) / cli.per:.0f} kernels, {total / 1e3:.2f} ms of kernel time, a step of {cli.per}; "
-          f"{(last - first) / 1e3 / cli.per:.2f} ms from the first kernel's start to the last one's end, over {cli.per}")
+    head = f"a step of the trace's {cli.per}: " if cli.per > 1 else ""
+    print(f"{head}{len(kernels) / cli.per:.0f} kernels, "
+          f"{total / 1e3:.2f} ms of kernel time, {(last - first) / 1e3 / cli.per:.2f} ms from the first kernel's start "
+          f"to the last one's end")
     for k, (t, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
         print(f"  {k:20s} {t / 1e3:8.2f} ms  {t / total:6.1%}  {n:6.0f} kernels")
     print(f"the {cli.top} kernels with the most time (name cut at 110 characters):")
