@@ -1,0 +1,175 @@
+"""The routed experts of a decode step as two Triton kernels, against kernels.grouped_experts' math (aten's grouped
+GEMM), for the decode step's shapes: bench_2b's 64 experts (D 1536, I 512, top-6) and 64 or 256 tokens, rows sorted
+by expert. A decode step's experts are bound by reading their weights (301 MB a layer, every expert hit at batch
+64), which aten's grouped GEMM did at 2.2-2.7 TB/s in session 23's decode trace (73-79 and 45 us a layer).
+
+  up:   a program per (expert, block of BLOCK_N of the I columns): its rows (BLOCK_M at a time) times the gate and
+        up rows of w13, rounded to bf16 as the grouped GEMM's output is, then the clamped SwiGLU and the routing
+        weight, h in bf16;
+  down: a program per (expert, block of BLOCK_N of the D columns): h times w2, bf16.
+An expert without rows reads no weights. Each config is timed as CUDA-graph replays (the device's time, not the
+launches'), its outputs checked against the reference, its rate the bytes of the experts it reads over the time.
+Not used by the model: a probe for whether such kernels beat aten's at decode (a next step of the speed issue).
+python bench/probe_moe_decode.py [--tokens 64 256]   (on a CPU: Triton's interpreter, a small fp32 check only)"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--tokens", type=int, nargs="+", default=[64, 256])
+cli = p.parse_args()
+LIMIT = 10.0
+
+
+@triton.jit
+def _moe_up(x_ptr, w13_ptr, ws_ptr, offs_ptr, h_ptr, D, I, limit, ROUND: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start, end = tl.load(offs_ptr + e - 1, mask=e > 0, other=0), tl.load(offs_ptr + e)
+    gate = w13_ptr + (e.to(tl.int64) * 2 * I + n[:, None]) * D  # the expert's w1 rows n; its w3 rows I further
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rm = rows < end
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + k[None, :], mask=rm[:, None], other=0.0)
+            g += tl.dot(x, tl.trans(tl.load(gate + k[None, :])))
+            u += tl.dot(x, tl.trans(tl.load(gate + I * D + k[None, :])))
+        if ROUND:  # the grouped GEMM's bf16 output, as the reference reads it
+            g, u = g.to(tl.bfloat16).to(tl.float32), u.to(tl.bfloat16).to(tl.float32)
+        g, u = tl.minimum(g, limit), tl.minimum(tl.maximum(u, -limit), limit)
+        w = tl.load(ws_ptr + rows, mask=rm, other=0.0)
+        h = g * tl.sigmoid(g) * u * w[:, None]
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=rm[:, None])
+
+
+@triton.jit
+def _moe_down(h_ptr, w2_ptr, offs_ptr, out_ptr, D, I,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start, end = tl.load(offs_ptr + e - 1, mask=e > 0, other=0), tl.load(offs_ptr + e)
+    w = w2_ptr + (e.to(tl.int64) * D + n[:, None]) * I
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rm = rows < end
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            h = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + k[None, :], mask=rm[:, None], other=0.0)
+            acc += tl.dot(h, tl.trans(tl.load(w + k[None, :])))
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * D + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=rm[:, None])
+
+
+def triton_experts(xs, ws, offs, w13, w2, cfg):
+    """xs [R, D] sorted by expert, ws [R] fp32, offs [E] int32 end rows, w13 [E, 2I, D], w2 [E, D, I] -> [R, D].
+    cfg: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), one for both kernels."""
+    (E, I2, D), I = w13.shape, w13.shape[1] // 2
+    bm, bn, bk, warps, stages = cfg
+    h = xs.new_empty(xs.shape[0], I)
+    out = torch.empty_like(xs)
+    _moe_up[(E, I // bn)](xs, w13, ws, offs, h, D, I, LIMIT, ROUND=xs.dtype == torch.bfloat16, BLOCK_M=bm,
+                          BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    _moe_down[(E, D // bn)](h, w2, offs, out, D, I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=min(bk, I), num_warps=warps,
+                            num_stages=stages)
+    return out
+
+
+def reference(xs, ws, offs, w13, w2):
+    """kernels.grouped_experts' math: aten's grouped GEMM on a GPU; per expert elsewhere (the CPU check)."""
+    if xs.is_cuda:
+        g, u = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
+    else:
+        ends = offs.tolist()
+        g, u = torch.cat([xs[a:b] @ w13[e].t() for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))]).chunk(2, -1)
+    g, u = g.clamp(max=LIMIT), u.clamp(-LIMIT, LIMIT)
+    h = (F.silu(g) * u * ws[:, None]).to(xs.dtype)
+    if xs.is_cuda:
+        return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    return torch.cat([h[a:b] @ w2[e].t() for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))])
+
+
+def graph_us(fn, reps=50):
+    """Microseconds a call of fn on the device: reps calls captured in one CUDA graph, replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) * 1e3 / (5 * reps)
+
+
+def inputs(T, E, D, I, K, dtype, device):
+    g = torch.Generator(device="cpu").manual_seed(T)
+    idx = torch.randn(T, E, generator=g).topk(K, dim=-1).indices.flatten()
+    counts = torch.bincount(idx, minlength=E)
+    offs = counts.cumsum(0).to(torch.int32).to(device)
+    R = T * K
+    xs = torch.randn(R, D, generator=g).to(device, dtype)
+    ws = torch.rand(R, generator=g).to(device)
+    w13 = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(device, dtype)
+    w2 = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(device, dtype)
+    return xs, ws, offs, w13, w2, counts
+
+
+if not torch.cuda.is_available():  # the kernels' logic in Triton's interpreter (its bf16 dot is broken: fp32 here)
+    xs, ws, offs, w13, w2, counts = inputs(5, 4, 64, 32, 2, torch.float32, "cpu")
+    counts[1] = 0
+    got = triton_experts(xs, ws, offs, w13, w2, (16, 16, 32, 4, 2))
+    ref = reference(xs, ws, offs, w13, w2)
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    print(f"interpreter, fp32, 5 tokens x top-2 of 4 experts: max |Δ| / max |ref| = {err:.2e}")
+    sys.exit(0 if err < 1e-5 else 1)
+
+E, D, I, K = 64, 1536, 512, 6
+CONFIGS = [(16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 32, 256, 4, 4), (16, 128, 128, 4, 3),
+           (16, 64, 128, 4, 6), (16, 32, 128, 2, 5), (32, 64, 128, 4, 4), (32, 32, 256, 4, 3)]
+print(f"decode experts, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+      f"{E} experts, D {D}, I {I}, top-{K}", flush=True)
+buf = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+dst = torch.empty_like(buf)
+copy_us = graph_us(lambda: dst.copy_(buf), reps=5)
+print(f"  copy of 1 GiB: {2 * buf.numel() / copy_us / 1e6:.2f} TB/s (read + write)")
+del buf, dst
+for T in cli.tokens:
+    xs, ws, offs, w13, w2, counts = inputs(T, E, D, I, K, torch.bfloat16, "cuda")
+    hit = int((counts > 0).sum())
+    nbytes = hit * 3 * I * D * 2  # the weights of the experts with rows
+    ref = reference(xs, ws, offs, w13, w2)
+    us = graph_us(lambda: reference(xs, ws, offs, w13, w2))
+    print(f"\n{T} tokens: {T * K} rows, {counts.min().item()}-{counts.max().item()} an expert, {hit} experts hit, "
+          f"{nbytes / 1e6:.0f} MB of weights")
+    print(f"  aten grouped GEMM (the model's)     {us:7.1f} us  {nbytes / us / 1e6:5.2f} TB/s")
+    for cfg in CONFIGS:
+        try:
+            got = triton_experts(xs, ws, offs, w13, w2, cfg)
+            err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            t = graph_us(lambda: triton_experts(xs, ws, offs, w13, w2, cfg))
+            print(f"  triton M{cfg[0]} N{cfg[1]} K{cfg[2]} w{cfg[3]} s{cfg[4]}  {t:9.1f} us  {nbytes / t / 1e6:5.2f} "
+                  f"TB/s  max |Δ| / max |ref| {err:.1e}", flush=True)
+        except Exception as exc:  # a config the compiler refuses (shared memory) is reported, not fatal
+            print(f"  triton {cfg}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
