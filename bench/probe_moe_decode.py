@@ -76,7 +76,7 @@ def _moe_down(h_ptr, w2_ptr, offs_ptr, out_ptr, D, I,
 def triton_experts(xs, ws, offs, w13, w2, cfg):
     """xs [R, D] sorted by expert, ws [R] fp32, offs [E] int32 end rows, w13 [E, 2I, D], w2 [E, D, I] -> [R, D].
     cfg: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), one for both kernels."""
-    (E, I2, D), I = w13.shape, w13.shape[1] // 2
+    E, I, D = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
     bm, bn, bk, warps, stages = cfg
     h = xs.new_empty(xs.shape[0], I)
     out = torch.empty_like(xs)
@@ -150,11 +150,16 @@ CONFIGS = [(16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 32, 256, 4, 4), (16, 1
            (16, 64, 128, 4, 6), (16, 32, 128, 2, 5), (32, 64, 128, 4, 4), (32, 32, 256, 4, 3)]
 print(f"decode experts, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
       f"{E} experts, D {D}, I {I}, top-{K}", flush=True)
-buf = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-dst = torch.empty_like(buf)
-copy_us = graph_us(lambda: dst.copy_(buf), reps=5)
-print(f"  copy of 1 GiB: {2 * buf.numel() / copy_us / 1e6:.2f} TB/s (read + write)")
-del buf, dst
+
+
+def copy_rate():
+    """TB/s of a device copy of 1 GiB, read + write counted (bench.py's decode floor uses the same)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / graph_us(lambda: dst.copy_(src), reps=5) / 1e6
+
+
+print(f"  copy of 1 GiB: {copy_rate():.2f} TB/s (read + write)")
 for T in cli.tokens:
     xs, ws, offs, w13, w2, counts = inputs(T, E, D, I, K, torch.bfloat16, "cuda")
     hit = int((counts > 0).sum())
