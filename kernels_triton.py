@@ -233,12 +233,12 @@ hc_post_triton.register_autograd(_hc_post_backward, setup_context=_hc_post_setup
 # A decode step attends one query token per sequence (H heads, one shared K = V head of dim d) to the sequence's cached
 # window keys and compressed entries. As tensor ops that was a gather of each sequence's keys from its cache slot and
 # a concatenation (written out, fp32: 25 us a CSA layer of bench_2b at batch 64 on an H200), an fp32 GEMM on it (43
-# us), the masked softmax and a bf16 GEMM (25 us): ~100 us of a CSA layer, ~35 us of a window layer, 0.9 ms of the
-# 5.4 ms step (bench/RESULTS.md, session 23). Here a program takes a sequence and 16 heads and reads its keys where
-# they are, a block at a time, skipping blocks with no key to attend (compressed entries not yet written, or not
-# picked by the indexer). Two passes over the keys, so that the probabilities are the reference's, rounded to the
-# keys' dtype after the division: the row max and denominator (online), then the probabilities times the keys. The
-# second pass mostly reads L2.
+# us), the masked softmax and a bf16 GEMM (25 us): ~100 us of a CSA layer, ~40 us of a window or HCA layer, ~0.8 ms
+# of the 5.4 ms step. Here a program takes a sequence and 16 heads and reads its keys where they are, a block at a
+# time, skipping blocks with no key to attend (compressed entries not yet written, or not picked by the indexer):
+# 8-17 us a layer, the step 4.4 ms (bench/RESULTS.md, session 23). Two passes over the keys, so that the
+# probabilities are the reference's, rounded to the keys' dtype after the division: the row max and denominator
+# (online), then the probabilities times the keys.
 
 HEADS = 16  # heads a program: tl.dot's smallest M
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
