@@ -920,8 +920,11 @@ if __name__ == "__main__":
     print(f"forward: logits {tuple(logits.shape)}, MTP logits {tuple(mtp_logits.shape)}")
     ids2 = ids.clone()
     ids2[:, 60:] = torch.randint(2, args.vocab_size, (2, 36))
-    same = torch.equal(model(ids2)[:, :60], logits[:, :60])
-    print(f"causality: logits before the changed tokens are bit-identical: {same}")
+    # the prefix's logits stay put, but for rounding: the later tokens' routing changes the shapes of the experts'
+    # GEMMs, in which the CPU's BLAS may sum a row in another order (9.5e-7 apart here, torch 2.13)
+    moved = (model(ids2)[:, :60] - logits[:, :60]).abs().max().item()
+    same = moved <= 1e-5 * logits.abs().max().item()
+    print(f"causality: logits before the changed tokens moved by {moved:.1e} (rounding): {same}")
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(model, d)
         reloaded = from_pretrained(d, dtype=torch.float32)
