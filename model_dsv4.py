@@ -560,7 +560,8 @@ def expert_order(flat, n_experts, count=False):
         order = flat.to(torch.uint8 if n_experts <= 256 else torch.int32).argsort(stable=True)
         return order, inverse_permutation(order)
     hit = (flat[None, :] == torch.arange(n_experts, device=flat.device)[:, None]).long()  # [E, P]
-    before = hit.sum(1).cumsum(0) - hit.sum(1)  # pairs of lower experts
+    per = hit.sum(1)
+    before = per.cumsum(0) - per  # pairs of lower experts
     inv = before[flat] + (hit.cumsum(1) - hit).gather(0, flat[None, :])[0]
     return inverse_permutation(inv), inv
 

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model_dsv4 as m  # noqa: E402
 from kernels_triton import sinkhorn_triton  # noqa: E402
+from probe_timing import captured  # noqa: E402
 
 BACKEND = os.environ.get("PROBE_BACKEND", "inductor")
 CUDA = torch.cuda.is_available()
@@ -116,14 +117,7 @@ def measure(name, fn, top=0):
         n_kernels, us, tops = profile(fn, top)
         line += f"  {n_kernels:6.0f} kernels, {us:7.1f} us kernel time"
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
+            graph = captured(fn)
             for _ in range(3):
                 graph.replay()
             sync()

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from probe_timing import graph_us  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--tokens", type=int, nargs="+", default=[64, 256])
@@ -99,28 +100,6 @@ def reference(xs, ws, offs, w13, w2):
     if xs.is_cuda:
         return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
     return torch.cat([h[a:b] @ w2[e].t() for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))])
-
-
-def graph_us(fn, reps=50):
-    """Microseconds a call of fn on the device: reps calls captured in one CUDA graph, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) * 1e3 / (5 * reps)
 
 
 def inputs(T, E, D, I, K, dtype, device):
