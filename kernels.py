@@ -30,6 +30,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels_triton import EXPERT_ROWS, experts_triton, has_triton
+
 # T tokens, H heads, d head dim, w window (= block of queries), nb blocks, S compressed entries, e local experts
 
 
@@ -209,6 +211,8 @@ def grouped_experts(experts, xs, ws, counts, limit, stacked=None):
         stacked = stack(experts)
     w13, w2 = stacked
     offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
+    if has_triton(xs) and not torch.is_grad_enabled() and xs.shape[0] <= EXPERT_ROWS * len(experts):  # decode
+        return experts_triton(xs, ws, offs, w13, w2, float(limit or 0))
     g, u = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
     if limit:
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)

@@ -7,6 +7,8 @@ agree, forward and backward, and compiles the kernels for sm_90 and gfx950):
     forward and one for the backward's reductions.
   - decode_attention_triton: the engine's decode attention (kv_cache.py; model_dsv4.sink_attention over each
     sequence's cached window keys and compressed entries) as one kernel that reads the keys in place.
+  - experts_triton: a decode step's routed experts (kernels.grouped_experts with few rows an expert) as two kernels,
+    the up projection with the SwiGLU and the down projection.
 
 Each is a torch.library custom op, so torch.compile keeps it as it is and a CUDA graph records it. Triton ships with
 torch's GPU builds (CUDA and ROCm). Without a GPU, Triton's interpreter runs the same kernels on CPU tensors: the
@@ -332,3 +334,94 @@ def has_triton(t):
     """Whether the model takes the Triton kernels for t: Triton is installed and t is on a GPU. (On a CPU the
     references are faster than Triton's interpreter, which the tests run the kernels through.)"""
     return triton is not None and t.is_cuda
+
+
+# ----------------------------------------------------------------------------- a decode step's routed experts
+# A decode step's experts are bound by reading their weights: 64 tokens x top-6 of bench_2b's 64 experts hit every
+# expert with 1-10 rows, 302 MB a layer, which aten's grouped GEMM (kernels.grouped_experts) read at 2.2 TB/s in
+# 139 us. Here a program takes one expert and a block of BLOCK_N output columns, and runs the expert's rows past
+# them BLOCK_M at a time: the up kernel the gate and up rows of w13 with the clamped SwiGLU and the routing weight
+# (h, in the rows' dtype), the down kernel h times w2. 80-99 us at 64 and 256 tokens against aten's 139 and 146
+# (bench/probe_moe_decode.py, RESULTS.md session 24). An expert with no rows reads nothing. For many rows an expert
+# (prefill, training) aten's tiles are the better choice: grouped_experts picks by rows an expert (EXPERT_ROWS).
+
+@_jit
+def _experts_up(x_ptr, w13_ptr, ws_ptr, offs_ptr, h_ptr, D, I, limit, CLAMP: tl.constexpr, F32: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Expert program_id(0), columns program_id(1) * BLOCK_N on of h [R, I] = silu(g) * u * ws, g and u its rows
+    times w13's gate rows (0..I-1) and up rows (I..2I-1), each rounded to h's dtype as the grouped GEMM's output is."""
+    e = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < I
+    start, end = tl.load(offs_ptr + e - 1, mask=e > 0, other=0), tl.load(offs_ptr + e)
+    gate = w13_ptr + (e * 2 * I + n[:, None]) * D
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rm = rows < end
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < D
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + k[None, :], mask=rm[:, None] & km[None, :], other=0.)
+            wm = nm[:, None] & km[None, :]
+            g += _dot(x, tl.trans(tl.load(gate + k[None, :], mask=wm, other=0.0)), F32)
+            u += _dot(x, tl.trans(tl.load(gate + I * D + k[None, :], mask=wm, other=0.0)), F32)
+        g = g.to(h_ptr.dtype.element_ty).to(tl.float32)
+        u = u.to(h_ptr.dtype.element_ty).to(tl.float32)
+        if CLAMP:
+            g, u = tl.minimum(g, limit), tl.minimum(tl.maximum(u, -limit), limit)
+        w = tl.load(ws_ptr + rows, mask=rm, other=0.0)
+        h = g * tl.sigmoid(g) * u * w[:, None]
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=rm[:, None] & nm[None, :])
+
+
+@_jit
+def _experts_down(h_ptr, w2_ptr, offs_ptr, out_ptr, D, I, F32: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Expert program_id(0), columns program_id(1) * BLOCK_N on of out [R, D] = h times the expert's w2 [D, I]."""
+    e = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < D
+    start, end = tl.load(offs_ptr + e - 1, mask=e > 0, other=0), tl.load(offs_ptr + e)
+    w = w2_ptr + (e * D + n[:, None]) * I
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rm = rows < end
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < I
+            h = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + k[None, :], mask=rm[:, None] & km[None, :], other=0.)
+            acc += _dot(h, tl.trans(tl.load(w + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)), F32)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * D + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=rm[:, None] & nm[None, :])
+
+
+EXPERT_ROWS = 32  # grouped_experts takes these kernels up to this many rows an expert on average
+EXPERTS_BLOCK_N, EXPERTS_BLOCK_K = 64, 128
+
+
+@torch.library.custom_op("nano_dsv4::experts", mutates_args=())
+def experts_triton(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   limit: float) -> torch.Tensor:
+    """kernels.grouped_experts' math: xs [R, D] rows sorted by expert (bf16, or fp32 for the tests), ws [R] fp32
+    routing weights, offs [e] int32 each expert's end row, w13 [e, 2I, D], w2 [e, D, I] (contiguous, xs' dtype),
+    limit the SwiGLU clamp (0: none) -> [R, D]."""
+    E, I, D = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
+    assert w13.is_contiguous() and w2.is_contiguous() and xs.dtype == w13.dtype == w2.dtype, (xs.dtype, w13.dtype)
+    xs = xs.contiguous()
+    h, out = xs.new_empty(xs.shape[0], I), torch.empty_like(xs)
+    bm = 16 if xs.shape[0] <= 16 * E else 32  # tl.dot's smallest M while the experts have few rows
+    f32 = INTERPRETED or xs.dtype == torch.float32
+    bn, bk = EXPERTS_BLOCK_N, EXPERTS_BLOCK_K
+    _experts_up[(E, triton.cdiv(I, bn))](xs, w13, ws.float().contiguous(), offs.contiguous(), h, D, I, float(limit),
+                                         CLAMP=bool(limit), F32=f32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                         num_warps=4, num_stages=4)
+    _experts_down[(E, triton.cdiv(D, bn))](h, w2, offs, out, D, I, F32=f32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                           num_warps=4, num_stages=4)
+    return out
+
+
+experts_triton.register_fake(lambda xs, *rest: torch.empty_like(xs))

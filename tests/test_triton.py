@@ -1,7 +1,8 @@
 """kernels_triton.py's kernels against the code they replace: sinkhorn_triton (mHC's Sinkhorn loop as one Triton kernel
 forward and one backward) against model_dsv4.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
 model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile; decode_attention_triton against
-model_dsv4.sink_attention on the gathered keys, alone and in the engine's decode. Without a GPU, kernels_triton.py runs
+model_dsv4.sink_attention on the gathered keys, alone and in the engine's decode; experts_triton against
+kernels.grouped_experts and Expert.forward, alone and in the engine's decode. Without a GPU, kernels_triton.py runs
 Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
 import copy
 import os
@@ -13,12 +14,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels_triton import decode_attention_triton, hc_post_triton, sinkhorn_triton  # before triton: without a GPU
-import kv_cache                                                                        # it turns on the interpreter
+from kernels_triton import (decode_attention_triton, experts_triton, hc_post_triton,  # before triton: without a GPU
+                            sinkhorn_triton)                                          # it turns on the interpreter
+import kernels
+import kv_cache
 import model_dsv4
 import parallel
 from conftest import SMALL, TINY, randomize_
-from model_dsv4 import Block, Transformer, sink_attention, sinkhorn
+from model_dsv4 import Block, Expert, Transformer, sink_attention, sinkhorn
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
 
@@ -186,14 +189,52 @@ def test_decode_attention_triton_equals_sink_attention(H, D, compressed, dtype):
         assert (out.double() - exact).abs().max() <= 2 ** -6 * top
 
 
-def test_engine_decode_on_triton_attention_equals_reference(monkeypatch):
-    """The engine's decode with the kernel (static caches, read whole and masked, as under CUDA graphs) against the
-    reference path (each sequence's entries up to its own count, gathered): TINY's window, CSA and HCA layers decode
-    14 tokens in cache rows 2, 0, 3 after prompts of 3, 20 and 37 tokens (past the 32-token window and across CSA
-    and HCA windows), both sides fed the same tokens. fp32, so that a wrong key or mask is not lost in bf16's noise
-    (which this random model amplifies: the bf16 reference alone, static against not, parts by 0.7 on logits of 4.8);
-    7e-6 apart on the CPU."""
+@pytest.mark.parametrize("E,D,I,tokens,limit,dtype", [(4, 40, 24, 5, 1.0, torch.float32),
+                                                       (3, 64, 32, 20, 0.0, torch.float32),
+                                                       (4, 64, 48, 6, 1.0, torch.bfloat16)])
+def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, monkeypatch):
+    """A decode step's routed experts, rows sorted by expert (expert 1 has none), against grouped_experts' aten path
+    and Expert.forward per expert in fp64. D 40 and I 24 are not multiples of the kernels' blocks (masked edges);
+    20 tokens x top-2 of 3 experts give 40 rows > 16 an expert (blocks of 32 rows). limit 1.0 clamps most of the
+    gate and up values (x scaled by 4), 0.0 none. fp32: to 1e-5 of the largest output; bf16 to two roundings."""
+    g = torch.Generator().manual_seed(D)
+    experts = [Expert(D, I, limit) for _ in range(E)]
+    for e in experts:
+        for w in (e.w1, e.w2, e.w3):
+            w.weight.data = (torch.randn(w.weight.shape, generator=g) / w.weight.shape[1] ** 0.5).to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)]).flatten()
+    idx[idx == 1] = 0
+    counts = torch.bincount(idx, minlength=E)
+    xs = (torch.randn(len(idx), D, generator=g) * 4).to(dtype)
+    ws = torch.rand(len(idx), generator=g)
+    experts = [e.to(DEV) for e in experts]
+    xs, ws, counts = xs.to(DEV), ws.to(DEV), counts.to(DEV)
+    w13, w2 = kernels.stack(experts)
+    with torch.no_grad():
+        out = experts_triton(xs, ws, counts.cumsum(0).to(torch.int32), w13, w2, limit)
+        monkeypatch.setattr(kernels, "has_triton", lambda t: False)
+        ref = kernels.grouped_experts(experts, xs, ws, counts, limit)
+        ends = counts.cumsum(0).tolist()
+        exact = torch.cat([copy.deepcopy(e).double()(xs[a:b].double(), ws[a:b].double())
+                           for e, a, b in zip(experts, [0] + ends[:-1], ends)])
+    assert out.shape == ref.shape and out.dtype == dtype
+    top = exact.abs().max()
+    if dtype == torch.float32:
+        assert (out.double() - ref.double()).abs().max() <= 1e-5 * top
+    else:
+        assert (ref.double() - exact).abs().max() <= 2 ** -6 * top
+        assert (out.double() - exact).abs().max() <= 2 ** -6 * top
+
+
+def test_engine_decode_on_triton_kernels_equals_reference(monkeypatch):
+    """The engine's decode with the kernels (attention: static caches, read whole and masked, as under CUDA graphs;
+    the routed experts) against the reference paths (each sequence's entries up to its own count, gathered; a loop
+    over the experts): TINY's window, CSA and HCA layers decode 14 tokens in cache rows 2, 0, 3 after prompts of 3,
+    20 and 37 tokens (past the 32-token window and across CSA and HCA windows), both sides fed the same tokens. fp32,
+    so that a wrong key, mask or expert row is not lost in bf16's noise (which this random model amplifies: the bf16
+    reference alone, static against not, parts by 0.7 on logits of 4.8); 7e-6 apart on the CPU."""
     monkeypatch.setattr(kv_cache, "has_triton", lambda t: True)
+    monkeypatch.setattr(kernels, "has_triton", lambda t: True)
     model = randomize_(Transformer(copy.deepcopy(TINY), dtype=torch.float32), TINY.n_routed_experts,
                        TINY.num_experts_per_tok, seed=2).to(DEV)
     g = torch.Generator().manual_seed(0)
@@ -203,7 +244,7 @@ def test_engine_decode_on_triton_attention_equals_reference(monkeypatch):
     logits = []
     for fast in (True, False):
         for layer in model.layers.values():
-            layer.attn.fast = fast
+            layer.attn.fast = layer.ffn.fast = fast
         cache = kv_cache.KVCache(model, 4, 64, DEV, static=fast)
         out = []
         with torch.no_grad():
@@ -220,7 +261,7 @@ def test_kernels_compile_for_h200_and_mi355x():
     the CPU and failed to compile on the GPU: an `if` whose branches gave two shapes). So every kernel is also
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
-    (D 1536: a block of 2048, a token a program); decode attention at head dim 512. In a subprocess: this process's
+    (D 1536: a block of 2048, a token a program); decode attention at head dim 512; the experts' two kernels. In a subprocess: this process's
     kernels are interpreted."""
     code = """
 import kernels_triton as kt, triton
@@ -234,10 +275,15 @@ kernels += [(fn, {"N": 4, "NP": 4, "BLOCK_D": 2048}, {"D": "i32"}, ("f_ptr", "x_
 kernels += [(kt._decode_attn, {"HEADS": kt.HEADS, "DP": 512, "BLOCK_N": kt.DECODE_BLOCK_N, "F32": False},
              {"scale": "fp32", **{a: "i32" for a in ("H", "D", "W", "S", "n_comp")}, "slot_ptr": "*i64",
               "mask_ptr": "*u8"}, ("q_ptr", "win_ptr", "comp_ptr", "out_ptr"), 4)]
+blocks = {"F32": False, "BLOCK_M": 16, "BLOCK_N": kt.EXPERTS_BLOCK_N, "BLOCK_K": kt.EXPERTS_BLOCK_K}
+kernels += [(fn, consts, {"D": "i32", "I": "i32", "limit": "fp32", "offs_ptr": "*i32"},
+             ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "out_ptr"), 4)
+            for fn, consts in ((kt._experts_up, {"CLAMP": True, **blocks}), (kt._experts_down, blocks))]
 for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "gfx950", 64), "hsaco")):
     for fn, consts, scalars, bf16, warps in kernels:
         ptrs = {a: "*bf16" if a in bf16 else scalars.get(a, "*fp32") for a in fn.arg_names if a.endswith("_ptr")}
-        sig = {**ptrs, **scalars, **{a: "constexpr" for a in consts}}
+        sig = {**ptrs, **{a: t for a, t in scalars.items() if a in fn.arg_names}}
+        sig.update({a: "constexpr" for a in consts})
         src = ASTSource(fn, sig, constexprs=consts)
         assert binary in triton.compile(src, target=target, options={"num_warps": warps}).asm, (target, fn)
         print(target.arch, fn.__name__, "compiled")
@@ -245,4 +291,4 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 10, out.stdout
+    assert out.stdout.count("compiled") == 14, out.stdout
