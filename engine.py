@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels_triton import SAMPLE_CHUNK, has_triton, sample_triton
 from kv_cache import KVCache
 
 GREEDY_T = 1e-6  # SGLang treats temperature below this as greedy
@@ -70,6 +71,8 @@ def sample_tokens(logits, params, draws, filtered):
     V = logits.shape[1]
     temp, top_p, top_k = params.T
     greedy = temp < GREEDY_T
+    if not filtered and has_triton(logits):  # kernels_triton.py: the vocabulary in chunks, a program each
+        return sample_triton(logits, torch.where(greedy, 1.0, temp).float(), greedy, draws, SAMPLE_CHUNK)
     logprobs = (logits / torch.where(greedy, 1.0, temp).float()[:, None]).log_softmax(-1)
     keep = logprobs
     if filtered:
@@ -226,18 +229,18 @@ class Engine:
         first = {}
         for req, slot in zip(batch, free):
             req.slot = slot
-            self.cache.reset(slot)  # a slot's previous sequence must leave no window entries or overlap state
             first.setdefault(tuple(req.input_ids), req)
+        self.cache.reset([r.slot for r in batch])  # a slot's previous sequence leaves no window or overlap state
         uniq = list(first.values())
         logits = {}
         for i in range(0, len(uniq), self.max_batch):  # prompts of one chunk are right-padded together
             chunk = uniq[i:i + self.max_batch]
             out = self.prefill([r.slot for r in chunk], [r.input_ids for r in chunk])
             logits.update({id(r): row for r, row in zip(chunk, out)})
+        copies = [(first[tuple(r.input_ids)].slot, r.slot) for r in batch if first[tuple(r.input_ids)] is not r]
+        if copies:
+            self.cache.copy(*zip(*copies))
         for req in batch:
-            src = first[tuple(req.input_ids)]
-            if src is not req:
-                self.cache.copy(src.slot, req.slot)
             self.running[req.slot] = req
         self._apply(self._launch_sample(batch, torch.stack([logits[id(first[tuple(r.input_ids)])] for r in batch])))
 

@@ -43,16 +43,20 @@ class KVCache:
                 c[name + "_prev_score"] = torch.full((max_batch, m, d), float("-inf"), device=device)
             self.layers.append(c)
 
-    def reset(self, slot):
+    def reset(self, slots):
+        """Empty the cache rows `slots` (a list): no window entries, no overlap state. One op per buffer."""
+        idx = torch.tensor(slots, device=self.device)
         for c in self.layers:
-            c["win_pos"][slot] = -1
+            c["win_pos"][idx] = -1
             for k in c:
                 if k.endswith("_prev_score"):
-                    c[k][slot] = float("-inf")
+                    c[k][idx] = float("-inf")
                 elif k.endswith("_prev_kv"):
-                    c[k][slot] = 0
+                    c[k][idx] = 0
 
-    def copy(self, src, dst):
+    def copy(self, srcs, dsts):
+        """Copy cache rows srcs to rows dsts (lists; the n samples of a prompt share its prefill)."""
+        src, dst = torch.tensor(srcs, device=self.device), torch.tensor(dsts, device=self.device)
         for c in self.layers:
             for t in c.values():
                 t[dst] = t[src]
@@ -65,6 +69,7 @@ class KVCache:
         ids = torch.tensor([p + [0] * (max(lengths) - len(p)) for p in prompts], device=self.device)
         x = model.embed_streams(ids)
         pos = torch.arange(ids.shape[1], device=self.device)
+        slot_t, L = torch.tensor(slots, device=self.device), torch.tensor(lengths, device=self.device)
         for layer, c in zip(model.layers.values(), self.layers):
             h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
             h = layer.attn_norm(h)
@@ -74,22 +79,37 @@ class KVCache:
             kv = attn.window_kv(h, cos, sin)
             comps = [(n, cp, cp(h, a), *cp.project(h)) for n, cp in (("comp", attn.compressor),
                      ("idx", attn.indexer.compressor if attn.indexer else None)) if cp is not None]
-            for b, (slot, L) in enumerate(zip(slots, lengths)):
-                keep = pos[max(0, L - a.sliding_window):L]
-                c["win"][slot, keep % a.sliding_window] = kv[b, keep]
-                c["win_pos"][slot, keep % a.sliding_window] = keep
-                for name, comp, entries, ckv, score in comps:
-                    m, d, W = comp.ratio, comp.head_dim, L // comp.ratio
-                    c[name][slot, :W] = entries[b, :W]
-                    c[name + "_kv"][slot, :L - W * m], c[name + "_score"][slot, :L - W * m] = ckv[b, W * m:L], score[b, W * m:L]
-                    if comp.overlap and W:  # the last complete window's first-half rows, position bias added
-                        c[name + "_prev_kv"][slot] = ckv[b, (W - 1) * m:W * m, :d]
-                        c[name + "_prev_score"][slot] = (score[b, (W - 1) * m:W * m] + comp.ape)[:, :d]
+            self._fill(c, slot_t, L, kv, comps)
             x = layer.hc_post(attn(h), x, post, comb)
             h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
             x = layer.hc_post(layer.ffn(layer.ffn_norm(h), ids), x, post, comb)
-        last = torch.tensor(lengths, device=self.device) - 1
-        return model.logits(x[torch.arange(len(prompts), device=self.device), last][:, None])[:, 0]
+        return model.logits(x[torch.arange(len(prompts), device=self.device), L - 1][:, None])[:, 0]
+
+    def _fill(self, c, slots, L, kv, comps):
+        """Write a prefilled batch into cache rows slots (int64 [B]), prompt b being L[b] tokens of the right-padded
+        T: in one op per buffer for the whole batch (a loop over the sequences took ~5 ms of host time per prompt
+        in bench_2b, session 24). Rows past a prompt's end get the pads' values, as decode never reads them before
+        it writes them: compressed entries from L // ratio on are masked until decode emits them, and a partial
+        window's rows are written by decode before the window is pooled."""
+        W = self.args.sliding_window
+        b = torch.arange(len(L), device=L.device)[:, None]
+        # ring position r holds the last prompt position p < L with p % W == r, if any
+        p = L[:, None] - 1 - (L[:, None] - 1 - torch.arange(W, device=L.device)) % W  # [B, W]
+        c["win"][slots] = torch.where((p >= 0)[..., None], kv[b, p.clamp(min=0)], 0)
+        c["win_pos"][slots] = p.clamp(min=-1)
+        T = kv.shape[1]
+        for name, comp, entries, ckv, score in comps:
+            m, d = comp.ratio, comp.head_dim
+            n = L // m  # complete windows: entries 0 .. n - 1, the partial window from position n * m
+            c[name][slots, :entries.shape[1]] = entries
+            rows = (n[:, None] * m + torch.arange(m, device=L.device)).clamp(max=T - 1)  # [B, m]
+            c[name + "_kv"][slots], c[name + "_score"][slots] = ckv[b, rows], score[b, rows]
+            if comp.overlap:  # the last complete window's first-half rows, position bias added
+                prev = ((n[:, None] - 1) * m + torch.arange(m, device=L.device)).clamp(min=0)
+                some = (n > 0)[:, None, None]
+                c[name + "_prev_kv"][slots] = torch.where(some, ckv[b, prev, :d], c[name + "_prev_kv"][slots])
+                c[name + "_prev_score"][slots] = torch.where(some, (score[b, prev] + comp.ape)[..., :d],
+                                                             c[name + "_prev_score"][slots])
 
 
     def decode(self, model, slots, tokens, pos):
