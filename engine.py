@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels_triton import SAMPLE_CHUNK, has_triton, sample_triton
 from kv_cache import KVCache
 
 GREEDY_T = 1e-6  # SGLang treats temperature below this as greedy
@@ -71,8 +70,6 @@ def sample_tokens(logits, params, draws, filtered):
     V = logits.shape[1]
     temp, top_p, top_k = params.T
     greedy = temp < GREEDY_T
-    if not filtered and has_triton(logits):  # kernels_triton.py: the vocabulary in chunks, a program each
-        return sample_triton(logits, torch.where(greedy, 1.0, temp).float(), greedy, draws, SAMPLE_CHUNK)
     logprobs = (logits / torch.where(greedy, 1.0, temp).float()[:, None]).log_softmax(-1)
     keep = logprobs
     if filtered:

@@ -1,19 +1,15 @@
-"""The engine's host-side costs around decode (session 24), each against the code it replaced, in the same run:
-  admission: KVCache.reset, prefill and copy for 64 requests (64 prompts of 32 tokens; and GRPO's 8 prompts x 8
-             samples, prefilled once each, then copied), batched over the sequences, against session 23's loops
-             over them (the peer, kept below);
-  sampling:  kernels_triton.sample_triton against engine.sample_tokens compiled (its reference path), on [B, vocab]
-             fp32 logits, greedy and at temperature 1: the time of a call and whether the tokens agree.
+"""The engine's admission of requests (session 24): KVCache.reset, prefill and copy for 64 requests (64 prompts of 32
+tokens; and GRPO's 8 prompts x 8 samples, prefilled once each, then copied), batched over the sequences, against
+session 23's loops over them (the peer, kept below), in the same run: the time of an admission, and whether the two
+give the same logits and caches.
 python bench/probe_admit.py [--model config/models/bench_2b.json]   (a GPU; on a CPU: tiny, a check of the logic)"""
 import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import kernels_triton  # noqa: E402  (before triton: on a CPU it turns on the interpreter)
 import torch  # noqa: E402
 
-import engine  # noqa: E402
 from kv_cache import KVCache  # noqa: E402
 from model_dsv4 import ModelArgs, Transformer  # noqa: E402
 from probe_timing import timed  # noqa: E402
@@ -91,20 +87,3 @@ with torch.no_grad():
               f"a sequence at a time {ms['LoopCache']:.1f} ms ({ms['LoopCache'] / ms['KVCache']:.1f}x); "
               f"logits equal: {torch.equal(*out.values())}; layer 0's caches equal: {same}", flush=True)
 
-    if dev == "cuda":
-        compiled = torch.compile(engine.sample_tokens)
-        for B in (64, 256):
-            logits = torch.randn(B, args.vocab_size, device=dev, generator=torch.Generator(dev).manual_seed(B)) * 3
-            for temp in (0.0, 1.0):
-                params = torch.tensor([[temp, 1.0, args.vocab_size]] * B, dtype=torch.float64, device=dev)
-                draws = torch.stack([torch.arange(B), torch.full((B,), 7)], 1).to(dev)
-                engine.has_triton = lambda t: False
-                ref, t_ref = compiled(logits, params, draws, False), timed(lambda: compiled(logits, params, draws,
-                                                                                             False))
-                engine.has_triton = kernels_triton.has_triton
-                got, t_got = engine.sample_tokens(logits, params, draws, False), \
-                    timed(lambda: engine.sample_tokens(logits, params, draws, False))
-                print(f"sampling {B} x {args.vocab_size}, temperature {temp}: compiled reference {t_ref * 1e3:.0f} "
-                      f"us, Triton {t_got * 1e3:.0f} us ({t_ref / t_got:.1f}x); tokens equal "
-                      f"{int((ref[0] == got[0]).sum())}/{B}, max |Δ logprob| {(ref[1] - got[1]).abs().max():.1e}",
-                      flush=True)
