@@ -87,8 +87,8 @@ class KVCache:
 
     def _fill(self, c, slots, L, kv, comps):
         """Write a prefilled batch into cache rows slots (int64 [B]), prompt b being L[b] tokens of the right-padded
-        T: in one op per buffer for the whole batch (a loop over the sequences took ~5 ms of host time per prompt
-        in bench_2b, session 24). Rows past a prompt's end get the pads' values, as decode never reads them before
+        T: in one op per buffer for the whole batch (a loop over the sequences had 64 prompts of 32 tokens admitted
+        in 266 ms on an H200, now 111: bench/probe_admit.py, session 24). Rows past a prompt's end get the pads' values, as decode never reads them before
         it writes them: compressed entries from L // ratio on are masked until decode emits them, and a partial
         window's rows are written by decode before the window is pooled."""
         W = self.args.sliding_window
@@ -110,7 +110,6 @@ class KVCache:
                 c[name + "_prev_kv"][slots] = torch.where(some, ckv[b, prev, :d], c[name + "_prev_kv"][slots])
                 c[name + "_prev_score"][slots] = torch.where(some, (score[b, prev] + comp.ape)[..., :d],
                                                              c[name + "_prev_score"][slots])
-
 
     def decode(self, model, slots, tokens, pos):
         """One token per sequence: slots, tokens, pos int64 [B] on the device -> fp32 logits [B, vocab]."""

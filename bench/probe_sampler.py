@@ -6,12 +6,14 @@ chunk's max and sum of exponentials, then, with the row's log-sum-exp from all c
 logprob (greedy rows: no noise drawn) or logprob + the same Gumbel noise; the chunks' best compared in torch.
 Session 24's one run (bench/probe_admit.py then) timed back-to-back calls, not the device: the kernels took 286-441
 us against the compiled reference's 184-372, tokens equal. Not used by the engine until a run shows them faster;
-this probe times both as CUDA-graph replays (the device's time) and as calls.
+this probe times them, the reference and a third contender (the reference's torch code with a two-stage argmax,
+compiled) as CUDA-graph replays (the device's time) and as calls.
 python bench/probe_sampler.py   (on a CPU: Triton's interpreter, a check of the tokens against engine.sample_tokens)"""
 import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -104,8 +106,24 @@ def sample_triton(logits, temp, greedy, draws, chunk=SAMPLE_CHUNK):
     return torch.stack([idx.gather(1, j)[:, 0].double(), lp.gather(1, j)[:, 0].double()])
 
 
+def sample_chunked(logits, params, draws, chunk=SAMPLE_CHUNK):
+    """engine.sample_tokens' math (no top-p, top-k) in torch, its argmax in two stages (each chunk's first best, then
+    the first chunk of the best): a third contender, plain torch code whose reductions inductor may split."""
+    B, V = logits.shape
+    temp = params[:, 0]
+    greedy = temp < engine.GREEDY_T
+    lp = (logits / torch.where(greedy, 1.0, temp).float()[:, None]).log_softmax(-1)
+    score = torch.where(greedy[:, None], lp.double(), lp.double() + engine.gumbel(draws[:, 0], draws[:, 1], V))
+    S = -(-V // chunk)
+    best, k = F.pad(score, (0, S * chunk - V), value=float("-inf")).view(B, S, chunk).max(-1)
+    j = best.argmax(-1, keepdim=True)
+    token = j[:, 0] * chunk + k.gather(1, j)[:, 0]
+    return torch.stack([token.double(), lp.gather(1, token[:, None])[:, 0].double()])
+
+
 def check(B, V, chunk, device, gen):
-    """Rows greedy and sampled at 0.3-1.6 under seeds up to 2^62 -> (tokens equal, max |Δ logprob|, inputs)."""
+    """Rows greedy and sampled at 0.3-1.6 under seeds up to 2^62 -> (both contenders' tokens equal the reference's,
+    the larger max |Δ logprob|)."""
     logits = torch.randn(B, V, generator=gen).to(device) * 4
     temp = torch.tensor([0.0, 1e-7, 0.3, 0.7, 1.0, 1.6], dtype=torch.float64).repeat(-(-B // 6))[:B].to(device)
     params = torch.stack([temp, torch.ones_like(temp), torch.full_like(temp, V)], 1)
@@ -114,7 +132,9 @@ def check(B, V, chunk, device, gen):
     greedy = temp < engine.GREEDY_T
     ref = engine.sample_tokens(logits, params, draws, False)
     got = sample_triton(logits, torch.where(greedy, 1.0, temp).float(), greedy, draws, chunk)
-    return bool((got[0] == ref[0]).all()), (got[1] - ref[1]).abs().max().item()
+    alt = sample_chunked(logits, params, draws, chunk)
+    return (bool((got[0] == ref[0]).all() and (alt[0] == ref[0]).all()),
+            max((got[1] - ref[1]).abs().max().item(), (alt[1] - ref[1]).abs().max().item()))
 
 
 gen = torch.Generator().manual_seed(0)
@@ -128,7 +148,7 @@ if not torch.cuda.is_available():
 V = 129280
 print(f"sampling, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
 print("  check, 256 rows:", *check(256, V, SAMPLE_CHUNK, "cuda", gen))
-compiled = torch.compile(engine.sample_tokens)
+compiled, chunked = torch.compile(engine.sample_tokens), torch.compile(sample_chunked)
 for B in (64, 256):
     logits = torch.randn(B, V, generator=gen).cuda() * 3
     for temp in (0.0, 1.0):
@@ -138,7 +158,9 @@ for B in (64, 256):
         greedy = torch.full((B,), temp == 0, device="cuda")
         ref = lambda: compiled(logits, params, draws, False)
         ours = lambda: sample_triton(logits, t1, greedy, draws)
-        same = bool((ref()[0] == ours()[0]).all())
+        alt = lambda: chunked(logits, params, draws)
+        same = bool((ref()[0] == ours()[0]).all() and (ref()[0] == alt()[0]).all())
         print(f"  {B} x {V}, temperature {temp}: device {graph_us(ref, 20):.0f} us compiled reference, "
-              f"{graph_us(ours, 20):.0f} us Triton; a call {timed(ref) * 1e3:.0f} and {timed(ours) * 1e3:.0f} us; "
-              f"tokens equal {same}", flush=True)
+              f"{graph_us(ours, 20):.0f} us Triton, {graph_us(alt, 20):.0f} us two-stage torch compiled; a call "
+              f"{timed(ref) * 1e3:.0f}, {timed(ours) * 1e3:.0f} and {timed(alt) * 1e3:.0f} us; tokens equal {same}",
+              flush=True)
