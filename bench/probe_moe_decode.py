@@ -1,15 +1,16 @@
-"""The routed experts of a decode step as two Triton kernels, against kernels.grouped_experts' math (aten's grouped
-GEMM), for the decode step's shapes: bench_2b's 64 experts (D 1536, I 512, top-6) and 64 or 256 tokens, rows sorted
-by expert. A decode step's experts are bound by reading their weights (301 MB a layer, every expert hit at batch
-64), which aten's grouped GEMM did at 2.2-2.7 TB/s in session 23's decode trace (73-79 and 45 us a layer).
+"""The routed experts of a decode step as Triton kernels (kernels_triton.experts_triton's two, under several block
+configs), against kernels.grouped_experts' math (aten's grouped GEMM), for the decode step's shapes: bench_2b's 64
+experts (D 1536, I 512, top-6) and 64 or 256 tokens, rows sorted by expert, routed uniformly at random and skewed
+(a few experts take many rows). A decode step's experts are bound by reading their weights (301 MB a layer, every
+expert hit at batch 64), which aten's grouped GEMM did at 2.2-2.7 TB/s in session 23's decode trace.
 
   up:   a program per (expert, block of BLOCK_N of the I columns): its rows (BLOCK_M at a time) times the gate and
         up rows of w13, rounded to bf16 as the grouped GEMM's output is, then the clamped SwiGLU and the routing
         weight, h in bf16;
   down: a program per (expert, block of BLOCK_N of the D columns): h times w2, bf16.
-An expert without rows reads no weights. Each config is timed as CUDA-graph replays (the device's time, not the
-launches'), its outputs checked against the reference, its rate the bytes of the experts it reads over the time.
-Not used by the model: a probe for whether such kernels beat aten's at decode (a next step of the speed issue).
+An expert without rows reads no weights; one with many runs its row blocks one after another. Each config is timed
+as CUDA-graph replays (the device's time, not the launches'), its outputs checked against the reference, its rate
+the bytes of the experts it reads over the time. Session 24's run (uniform only) chose the model's configs.
 python bench/probe_moe_decode.py [--tokens 64 256]   (on a CPU: Triton's interpreter, a small fp32 check only)"""
 import argparse
 import os
@@ -18,10 +19,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kernels_triton as kt  # noqa: E402  (before triton: on a CPU it turns on the interpreter)
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from probe_timing import graph_us  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -30,61 +30,16 @@ cli = p.parse_args()
 LIMIT = 10.0
 
 
-@triton.jit
-def _moe_up(x_ptr, w13_ptr, ws_ptr, offs_ptr, h_ptr, D, I, limit, ROUND: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    e = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    start, end = tl.load(offs_ptr + e - 1, mask=e > 0, other=0), tl.load(offs_ptr + e)
-    gate = w13_ptr + (e.to(tl.int64) * 2 * I + n[:, None]) * D  # the expert's w1 rows n; its w3 rows I further
-    for m0 in range(start, end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        rm = rows < end
-        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + k[None, :], mask=rm[:, None], other=0.0)
-            g += tl.dot(x, tl.trans(tl.load(gate + k[None, :])))
-            u += tl.dot(x, tl.trans(tl.load(gate + I * D + k[None, :])))
-        if ROUND:  # the grouped GEMM's bf16 output, as the reference reads it
-            g, u = g.to(tl.bfloat16).to(tl.float32), u.to(tl.bfloat16).to(tl.float32)
-        g, u = tl.minimum(g, limit), tl.minimum(tl.maximum(u, -limit), limit)
-        w = tl.load(ws_ptr + rows, mask=rm, other=0.0)
-        h = g * tl.sigmoid(g) * u * w[:, None]
-        tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=rm[:, None])
-
-
-@triton.jit
-def _moe_down(h_ptr, w2_ptr, offs_ptr, out_ptr, D, I,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    e = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    start, end = tl.load(offs_ptr + e - 1, mask=e > 0, other=0), tl.load(offs_ptr + e)
-    w = w2_ptr + (e.to(tl.int64) * D + n[:, None]) * I
-    for m0 in range(start, end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        rm = rows < end
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            h = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + k[None, :], mask=rm[:, None], other=0.0)
-            acc += tl.dot(h, tl.trans(tl.load(w + k[None, :])))
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * D + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=rm[:, None])
-
-
 def triton_experts(xs, ws, offs, w13, w2, cfg):
-    """xs [R, D] sorted by expert, ws [R] fp32, offs [E] int32 end rows, w13 [E, 2I, D], w2 [E, D, I] -> [R, D].
-    cfg: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), one for both kernels."""
+    """kt.experts_triton's two kernels under the block config cfg: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
     E, I, D = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
     bm, bn, bk, warps, stages = cfg
-    h = xs.new_empty(xs.shape[0], I)
-    out = torch.empty_like(xs)
-    _moe_up[(E, I // bn)](xs, w13, ws, offs, h, D, I, LIMIT, ROUND=xs.dtype == torch.bfloat16, BLOCK_M=bm,
-                          BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    _moe_down[(E, D // bn)](h, w2, offs, out, D, I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=min(bk, I), num_warps=warps,
-                            num_stages=stages)
+    f32 = kt.INTERPRETED or xs.dtype == torch.float32
+    h, out = xs.new_empty(xs.shape[0], I), torch.empty_like(xs)
+    kt._experts_up[(E, triton.cdiv(I, bn))](xs, w13, ws, offs, h, D, I, LIMIT, CLAMP=True, F32=f32, BLOCK_M=bm,
+                                            BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    kt._experts_down[(E, triton.cdiv(D, bn))](h, w2, offs, out, D, I, F32=f32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                              num_warps=warps, num_stages=stages)
     return out
 
 
@@ -102,9 +57,11 @@ def reference(xs, ws, offs, w13, w2):
     return torch.cat([h[a:b] @ w2[e].t() for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))])
 
 
-def inputs(T, E, D, I, K, dtype, device):
+def inputs(T, E, D, I, K, dtype, device, skew=0.0):
+    """Rows of T tokens' top-K picks of E experts, sorted by expert; skew > 0: expert e's router logit is raised by
+    skew * e / E (a few experts take many rows, as a trained router's can)."""
     g = torch.Generator(device="cpu").manual_seed(T)
-    idx = torch.randn(T, E, generator=g).topk(K, dim=-1).indices.flatten()
+    idx = (torch.randn(T, E, generator=g) + skew * torch.arange(E) / E).topk(K, dim=-1).indices.flatten()
     counts = torch.bincount(idx, minlength=E)
     offs = counts.cumsum(0).to(torch.int32).to(device)
     R = T * K
@@ -139,13 +96,14 @@ def copy_rate():
 
 
 print(f"  copy of 1 GiB: {copy_rate():.2f} TB/s (read + write)")
-for T in cli.tokens:
-    xs, ws, offs, w13, w2, counts = inputs(T, E, D, I, K, torch.bfloat16, "cuda")
+for T, skew in [(T, skew) for T in cli.tokens for skew in (0.0, 3.0)]:
+    xs, ws, offs, w13, w2, counts = inputs(T, E, D, I, K, torch.bfloat16, "cuda", skew)
     hit = int((counts > 0).sum())
     nbytes = hit * 3 * I * D * 2  # the weights of the experts with rows
     ref = reference(xs, ws, offs, w13, w2)
     us = graph_us(lambda: reference(xs, ws, offs, w13, w2))
-    print(f"\n{T} tokens: {T * K} rows, {counts.min().item()}-{counts.max().item()} an expert, {hit} experts hit, "
+    print(f"\n{T} tokens, skew {skew}: {T * K} rows, {counts.min().item()}-{counts.max().item()} an expert, "
+          f"{hit} experts hit, "
           f"{nbytes / 1e6:.0f} MB of weights")
     print(f"  aten grouped GEMM (the model's)     {us:7.1f} us  {nbytes / us / 1e6:5.2f} TB/s")
     for cfg in CONFIGS:
