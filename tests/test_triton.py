@@ -2,7 +2,7 @@
 forward and one backward) against model_dsv4.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
 model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile; decode_attention_triton against
 model_dsv4.sink_attention on the gathered keys, alone and in the engine's decode; experts_triton against
-kernels.grouped_experts and Expert.forward, alone and in the engine's decode. Without a GPU, kernels_triton.py runs
+kernels.grouped_experts and Expert.forward, alone and in the model's forward without grad. Without a GPU, kernels_triton.py runs
 Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
 import copy
 import os
@@ -226,15 +226,14 @@ def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, mo
         assert (out.double() - exact).abs().max() <= 2 ** -6 * top
 
 
-def test_engine_decode_on_triton_kernels_equals_reference(monkeypatch):
-    """The engine's decode with the kernels (attention: static caches, read whole and masked, as under CUDA graphs;
-    the routed experts) against the reference paths (each sequence's entries up to its own count, gathered; a loop
-    over the experts): TINY's window, CSA and HCA layers decode 14 tokens in cache rows 2, 0, 3 after prompts of 3,
-    20 and 37 tokens (past the 32-token window and across CSA and HCA windows), both sides fed the same tokens. fp32,
-    so that a wrong key, mask or expert row is not lost in bf16's noise (which this random model amplifies: the bf16
-    reference alone, static against not, parts by 0.7 on logits of 4.8); 7e-6 apart on the CPU."""
+def test_engine_decode_on_triton_attention_equals_reference(monkeypatch):
+    """The engine's decode with the kernel (static caches, read whole and masked, as under CUDA graphs) against the
+    reference path (each sequence's entries up to its own count, gathered): TINY's window, CSA and HCA layers decode
+    14 tokens in cache rows 2, 0, 3 after prompts of 3, 20 and 37 tokens (past the 32-token window and across CSA
+    and HCA windows), both sides fed the same tokens. fp32, so that a wrong key or mask is not lost in bf16's noise
+    (which this random model amplifies: the bf16 reference alone, static against not, parts by 0.7 on logits of 4.8);
+    7e-6 apart on the CPU. (The experts' kernels in the interpreter would make this a minute: the next test.)"""
     monkeypatch.setattr(kv_cache, "has_triton", lambda t: True)
-    monkeypatch.setattr(kernels, "has_triton", lambda t: True)
     model = randomize_(Transformer(copy.deepcopy(TINY), dtype=torch.float32), TINY.n_routed_experts,
                        TINY.num_experts_per_tok, seed=2).to(DEV)
     g = torch.Generator().manual_seed(0)
@@ -244,7 +243,7 @@ def test_engine_decode_on_triton_kernels_equals_reference(monkeypatch):
     logits = []
     for fast in (True, False):
         for layer in model.layers.values():
-            layer.attn.fast = layer.ffn.fast = fast
+            layer.attn.fast = fast
         cache = kv_cache.KVCache(model, 4, 64, DEV, static=fast)
         out = []
         with torch.no_grad():
@@ -254,6 +253,24 @@ def test_engine_decode_on_triton_kernels_equals_reference(monkeypatch):
         logits.append(torch.stack(out).float())
     fast, ref = logits
     assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max(), ((fast - ref).abs().max(), ref.abs().max())
+
+
+def test_model_without_grad_on_triton_experts_equals_reference(monkeypatch):
+    """A forward without grad (the engine's prefill and decode) takes the experts' kernels through
+    kernels.grouped_experts (with few rows an expert): four of TINY's layers on 2 sequences of 10 tokens against the
+    same model on aten's grouped GEMM, fp32, to 1e-5 of the largest logit; each layer's MoE called the kernels once."""
+    calls = []
+    monkeypatch.setattr(kernels, "has_triton", lambda t: True)
+    monkeypatch.setattr(kernels, "experts_triton", lambda *a: calls.append(1) or experts_triton(*a))
+    model = randomize_(Transformer(copy.deepcopy(FOUR), dtype=torch.float32), FOUR.n_routed_experts,
+                       FOUR.num_experts_per_tok, seed=6).to(DEV).set_kernels(True)
+    ids = torch.randint(0, FOUR.vocab_size, (2, 10), generator=torch.Generator().manual_seed(7)).to(DEV)
+    with torch.no_grad():
+        fast = model(ids)
+        monkeypatch.setattr(kernels, "has_triton", lambda t: False)
+        ref = model(ids)
+    assert len(calls) == FOUR.num_hidden_layers
+    assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 def test_kernels_compile_for_h200_and_mi355x():
