@@ -2,8 +2,8 @@
 forward and one backward) against model_dsv4.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
 model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile; decode_attention_triton against
 model_dsv4.sink_attention on the gathered keys, alone and in the engine's decode; experts_triton against
-kernels.grouped_experts and Expert.forward, alone and in the model's forward without grad. Without a GPU, kernels_triton.py runs
-Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
+kernels.grouped_experts and Expert.forward, alone and in the model's forward without grad. Without a GPU,
+kernels_triton.py runs Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
 import copy
 import os
 import subprocess
