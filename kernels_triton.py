@@ -9,6 +9,8 @@ agree, forward and backward, and compiles the kernels for sm_90 and gfx950):
     sequence's cached window keys and compressed entries) as one kernel that reads the keys in place.
   - experts_triton: a decode step's routed experts (kernels.grouped_experts with few rows an expert) as two kernels,
     the up projection with the SwiGLU and the down projection.
+  - compress_pool_triton: a decode step's compressor pooling (model_dsv4.Compressor.pool over each sequence's cached
+    window) for the sequences whose window completes at this token, reading nothing for the others.
 
 Each is a torch.library custom op, so torch.compile keeps it as it is and a CUDA graph records it. Triton ships with
 torch's GPU builds (CUDA and ROCm). Without a GPU, Triton's interpreter runs the same kernels on CPU tensors: the
@@ -426,3 +428,71 @@ def experts_triton(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, w13: 
 
 experts_triton.register_fake(lambda xs, *rest: torch.empty_like(xs))
 
+
+
+# ----------------------------------------------------------------------------- a decode step's compressor pooling
+# Each decode step adds one row to every sequence's partial compression window, and a sequence's window completes
+# once every `ratio` tokens. The reference (kv_cache._compressor_step) gathers every sequence's whole window out of
+# the cache and pools it, keeping the result only where the window completed: static shapes for CUDA graphs, but at
+# batch 64 an HCA layer (ratio 128) read 64 x 128 rows of 2 x 512 fp32 values a step, 27.7 us a layer on an H200
+# (session 24's trace). Here a program takes a sequence and a block of channels, and returns at once when that
+# sequence's window is not complete (its output zeros, which the caller discards).
+
+@_jit
+def _compress_pool(kv_ptr, score_ptr, prev_kv_ptr, prev_score_ptr, ape_ptr, slot_ptr, full_ptr, out_ptr, m, d,
+                   OVERLAP: tl.constexpr, MP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Sequence program_id(0), channels program_id(1) * BLOCK_D on: softmax over the window's rows (and, with
+    OVERLAP, the previous window's first-half rows) of score + ape, per channel, times kv, summed."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = c < d
+    out = out_ptr + b * d + c
+    if tl.load(full_ptr + b) == 0:
+        tl.store(out, tl.zeros([BLOCK_D], dtype=tl.float32), mask=cm)
+        return
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    r = tl.arange(0, MP)
+    rm = (r < m)[:, None] & cm[None, :]
+    width = 2 * d if OVERLAP else d  # the cache's channels a row: the window's own are the second half with OVERLAP
+    col = (d if OVERLAP else 0) + c
+    at = (slot * m + r[:, None]) * width + col[None, :]
+    kv = tl.load(kv_ptr + at, mask=rm, other=0.0)
+    score = tl.load(score_ptr + at, mask=rm, other=float("-inf")) + tl.load(ape_ptr + r[:, None] * width + col[None, :],
+                                                                          mask=rm, other=0.0)
+    mx = tl.max(score, 0)
+    if OVERLAP:  # the window before's first-half rows, ape already added
+        at = (slot * m + r[:, None]) * d + c[None, :]
+        pkv = tl.load(prev_kv_ptr + at, mask=rm, other=0.0)
+        pscore = tl.load(prev_score_ptr + at, mask=rm, other=float("-inf"))
+        mx = tl.maximum(mx, tl.max(pscore, 0))
+        p = tl.exp(pscore - mx[None, :])
+        den, acc = tl.sum(p, 0), tl.sum(p * pkv, 0)
+    else:
+        den, acc = tl.zeros([BLOCK_D], dtype=tl.float32), tl.zeros([BLOCK_D], dtype=tl.float32)
+    p = tl.exp(score - mx[None, :])
+    den += tl.sum(p, 0)
+    acc += tl.sum(p * kv, 0)
+    tl.store(out, acc / den, mask=cm)
+
+
+POOL_BLOCK_D = 32
+
+
+@torch.library.custom_op("nano_dsv4::compress_pool", mutates_args=())
+def compress_pool_triton(kv: torch.Tensor, score: torch.Tensor, prev_kv: torch.Tensor, prev_score: torch.Tensor,
+                         ape: torch.Tensor, slots: torch.Tensor, full: torch.Tensor, overlap: bool) -> torch.Tensor:
+    """Compressor.pool of each sequence's cached window where full: kv, score [rows, m, coff*d] the caches' partial
+    windows (score without ape), prev_kv, prev_score [rows, m, d] (overlap: the window before's first-half rows, ape
+    added), ape [m, coff*d], slots [B] each sequence's cache row, full bool [B] -> fp32 [B, d] (zeros where not
+    full)."""
+    m, d = kv.shape[1], prev_kv.shape[2]
+    assert kv.is_contiguous() and score.is_contiguous() and prev_kv.is_contiguous() and prev_score.is_contiguous()
+    out = kv.new_empty(slots.shape[0], d)
+    _compress_pool[(slots.shape[0], triton.cdiv(d, POOL_BLOCK_D))](
+        kv, score, prev_kv, prev_score, ape.contiguous(), slots.contiguous(), full.contiguous().view(torch.uint8), out,
+        m, d, OVERLAP=overlap, MP=triton.next_power_of_2(m), BLOCK_D=POOL_BLOCK_D, num_warps=4)
+    return out
+
+
+compress_pool_triton.register_fake(lambda kv, score, prev_kv, prev_score, ape, slots, full, overlap:
+                                   kv.new_empty(slots.shape[0], prev_kv.shape[2]))

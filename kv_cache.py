@@ -16,7 +16,7 @@ CUDA graph.
 """
 import torch
 
-from kernels_triton import decode_attention_triton, has_triton
+from kernels_triton import compress_pool_triton, decode_attention_triton, has_triton
 from model_dsv4 import rope_cos_sin, sink_attention, top_k_mask
 
 
@@ -126,23 +126,30 @@ class KVCache:
         h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
         return layer.hc_post(layer.ffn(layer.ffn_norm(h), tokens[:, None]), x, post, comb)
 
-    def _compressor_step(self, comp, h, c, name, slots, pos):
+    def _compressor_step(self, comp, h, c, name, slots, pos, fast):
         """Add one token's kv/score row to its partial window; when the window completes, pool it into a
         new compressed entry (RoPE at the window's first position) and roll the overlap state.
-        Every row is pooled and the result kept only where the window is complete: no host sync, fixed shapes."""
+        Every row is pooled and the result kept only where the window is complete: no host sync, fixed shapes.
+        fast: kernels_triton.compress_pool_triton pools only the complete windows, reading the caches in place."""
         m, d = comp.ratio, comp.head_dim
         kv, score = comp.project(h[:, 0])  # [B, coff*d]
         j = pos % m
         c[name + "_kv"][slots, j], c[name + "_score"][slots, j] = kv, score
         full = (j == m - 1)[:, None]
-        st_kv, st_score = c[name + "_kv"][slots], c[name + "_score"][slots]  # [B, m, coff*d]
-        prev_kv, prev_score = c[name + "_prev_kv"][slots], c[name + "_prev_score"][slots]
-        pooled = comp.pool(st_kv[:, None], st_score[:, None], prev_kv, prev_score)
+        if fast:
+            pooled = compress_pool_triton(c[name + "_kv"], c[name + "_score"], c[name + "_prev_kv"],
+                                          c[name + "_prev_score"], comp.ape, slots, full[:, 0], comp.overlap)[:, None]
+        else:
+            st_kv, st_score = c[name + "_kv"][slots], c[name + "_score"][slots]  # [B, m, coff*d]
+            prev_kv, prev_score = c[name + "_prev_kv"][slots], c[name + "_prev_score"][slots]
+            pooled = comp.pool(st_kv[:, None], st_score[:, None], prev_kv, prev_score)
         entry = comp.finish(pooled, self.args, (pos + 1 - m)[:, None])[:, 0]
         c[name][slots, pos // m] = torch.where(full, entry, c[name][slots, pos // m])
-        if comp.overlap:
-            c[name + "_prev_kv"][slots] = torch.where(full[:, None], st_kv[..., :d], prev_kv)
-            c[name + "_prev_score"][slots] = torch.where(full[:, None], (st_score + comp.ape)[..., :d], prev_score)
+        if comp.overlap:  # the window's first-half rows become the next one's overlap (ratio 4: a few rows)
+            st_kv, st_score = c[name + "_kv"][slots, :, :d], c[name + "_score"][slots, :, :d]
+            prev_kv, prev_score = c[name + "_prev_kv"][slots], c[name + "_prev_score"][slots]
+            c[name + "_prev_kv"][slots] = torch.where(full[:, None], st_kv, prev_kv)
+            c[name + "_prev_score"][slots] = torch.where(full[:, None], st_score + comp.ape[:, :d], prev_score)
 
     def _attn_decode(self, attn, h, c, slots, pos):
         a = self.args
@@ -155,7 +162,8 @@ class KVCache:
         mask = ((wpos >= 0) & (wpos > pos[:, None] - W) & (wpos <= pos[:, None]))[:, None]  # [B, 1, W]
         S = 0
         if attn.ratio:
-            self._compressor_step(attn.compressor, h, c, "comp", slots, pos)
+            fast = attn.fast and has_triton(h) and not torch.is_grad_enabled()  # kernels_triton.py's kernels
+            self._compressor_step(attn.compressor, h, c, "comp", slots, pos, fast)
             n_vis = (pos + 1) // attn.ratio  # entries whose whole window is at or before pos
             # CUDA graphs and compiled code want fixed shapes: every cache entry, masked; eager reads up to the
             # longest sequence's
@@ -163,7 +171,7 @@ class KVCache:
             S = c["comp"].shape[1] if static else max(int(n_vis.max()), 1)
             visible = torch.arange(S, device=pos.device)[None] < n_vis[:, None]  # [B, S]
             if attn.indexer is not None:
-                self._compressor_step(attn.indexer.compressor, h, c, "idx", slots, pos)
+                self._compressor_step(attn.indexer.compressor, h, c, "idx", slots, pos, fast)
                 score = attn.indexer.scores(h, qr, c["idx"][slots, :S], cos, sin)[:, 0]  # [B, S]
                 score = score.masked_fill(~visible, float("-inf"))
                 visible = visible & top_k_mask(score, attn.indexer.topk)

@@ -2,7 +2,8 @@
 forward and one backward) against model_dsv4.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
 model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile; decode_attention_triton against
 model_dsv4.sink_attention on the gathered keys, alone and in the engine's decode; experts_triton against
-kernels.grouped_experts and Expert.forward, alone and in the model's forward without grad. Without a GPU,
+kernels.grouped_experts and Expert.forward, alone and in the model's forward without grad; compress_pool_triton
+against Compressor.pool, alone and in the engine's decode. Without a GPU,
 kernels_triton.py runs Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
 import copy
 import os
@@ -14,14 +15,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels_triton import (decode_attention_triton, experts_triton, hc_post_triton,  # before triton: without a GPU
-                            sinkhorn_triton)                                          # it turns on the interpreter
+from kernels_triton import (compress_pool_triton, decode_attention_triton,  # before triton: without a GPU it turns
+                            experts_triton, hc_post_triton, sinkhorn_triton)  # on the interpreter
 import kernels
 import kv_cache
 import model_dsv4
 import parallel
 from conftest import SMALL, TINY, randomize_
-from model_dsv4 import Block, Expert, Transformer, sink_attention, sinkhorn
+from model_dsv4 import Block, Compressor, Expert, Transformer, sink_attention, sinkhorn
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
 
@@ -226,6 +227,30 @@ def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, mo
         assert (out.double() - exact).abs().max() <= 2 ** -6 * top
 
 
+@pytest.mark.parametrize("ratio,d", [(4, 40), (16, 32), (128, 24)])
+def test_compress_pool_triton_equals_pool(ratio, d):
+    """A decode step's pooling of each sequence's cached window, against Compressor.pool on the rows gathered: ratio 4
+    (CSA: overlapping windows, the previous window's first-half rows in, one sequence with none yet: -inf scores),
+    16 and 128 (HCA); head dims 40 and 24 (not multiples of the kernel's channel block); 5 sequences in cache rows out
+    of order, 2 of them not complete (zeros). fp32, to 1e-5 of the largest entry."""
+    g = torch.Generator().manual_seed(ratio)
+    comp = Compressor(SimpleNamespace(hidden_size=8, rms_norm_eps=1e-6), ratio, d)
+    comp.ape.data = torch.randn(comp.ape.shape, generator=g)
+    coff, rows = 2 if comp.overlap else 1, 7
+    kv, score = torch.randn(rows, ratio, coff * d, generator=g), torch.randn(rows, ratio, coff * d, generator=g) * 3
+    prev_kv, prev_score = torch.randn(rows, ratio, d, generator=g), torch.randn(rows, ratio, d, generator=g) * 3
+    slots = torch.tensor([4, 0, 6, 2, 5])
+    prev_score[6] = float("-inf")  # no window before
+    full = torch.tensor([True, False, True, True, False])
+    comp, kv, score, prev_kv, prev_score, slots, full = (t.to(DEV) for t in (comp, kv, score, prev_kv, prev_score,
+                                                                              slots, full))
+    out = compress_pool_triton(kv, score, prev_kv, prev_score, comp.ape, slots, full, comp.overlap)
+    with torch.no_grad():
+        ref = comp.pool(kv[slots, None], score[slots, None], prev_kv[slots], prev_score[slots])[:, 0]
+    assert out.shape == (5, d) and (out[~full] == 0).all()
+    assert (out[full] - ref[full]).abs().max() <= 1e-5 * ref[full].abs().max()
+
+
 def test_engine_decode_on_triton_attention_equals_reference(monkeypatch):
     """The engine's decode with the kernel (static caches, read whole and masked, as under CUDA graphs) against the
     reference path (each sequence's entries up to its own count, gathered): TINY's window, CSA and HCA layers decode
@@ -278,8 +303,8 @@ def test_kernels_compile_for_h200_and_mi355x():
     the CPU and failed to compile on the GPU: an `if` whose branches gave two shapes). So every kernel is also
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
-    (D 1536: a block of 2048, a token a program); decode attention at head dim 512; the experts' two kernels. In a
-    subprocess: this process's kernels are interpreted."""
+    (D 1536: a block of 2048, a token a program); decode attention at head dim 512; the experts' two kernels; the
+    compressor's pooling with and without overlap. In a subprocess: this process's kernels are interpreted."""
     code = """
 import kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
@@ -293,6 +318,9 @@ kernels += [(kt._decode_attn, {"HEADS": kt.HEADS, "DP": 512, "BLOCK_N": kt.DECOD
              {"scale": "fp32", **{a: "i32" for a in ("H", "D", "W", "S", "n_comp")}, "slot_ptr": "*i64",
               "mask_ptr": "*u8"}, ("q_ptr", "win_ptr", "comp_ptr", "out_ptr"), 4)]
 blocks = {"F32": False, "BLOCK_M": 16, "BLOCK_N": kt.EXPERTS_BLOCK_N, "BLOCK_K": kt.EXPERTS_BLOCK_K}
+kernels += [(kt._compress_pool, {"OVERLAP": o, "MP": m, "BLOCK_D": kt.POOL_BLOCK_D},
+             {"m": "i32", "d": "i32", "slot_ptr": "*i64", "full_ptr": "*u8"}, (), 4)
+            for o, m in ((True, 4), (False, 128))]
 kernels += [(fn, consts, {"D": "i32", "I": "i32", "limit": "fp32", "offs_ptr": "*i32"},
              ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "out_ptr"), 4)
             for fn, consts in ((kt._experts_up, {"CLAMP": True, **blocks}), (kt._experts_down, blocks))]
@@ -308,4 +336,4 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 14, out.stdout
+    assert out.stdout.count("compiled") == 18, out.stdout
