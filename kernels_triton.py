@@ -429,7 +429,6 @@ def experts_triton(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, w13: 
 experts_triton.register_fake(lambda xs, *rest: torch.empty_like(xs))
 
 
-
 # ----------------------------------------------------------------------------- a decode step's compressor pooling
 # Each decode step adds one row to every sequence's partial compression window, and a sequence's window completes
 # once every `ratio` tokens. The reference (kv_cache._compressor_step) gathers every sequence's whole window out of
