@@ -30,7 +30,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels_triton import EXPERT_ROWS, experts_triton, has_triton
+from kernels_decode import EXPERT_ROWS, experts_triton
+from kernels_triton import has_triton
 
 # T tokens, H heads, d head dim, w window (= block of queries), nb blocks, S compressed entries, e local experts
 

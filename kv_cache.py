@@ -16,7 +16,8 @@ CUDA graph.
 """
 import torch
 
-from kernels_triton import compress_pool_triton, decode_attention_triton, has_triton
+from kernels_decode import compress_pool_triton, decode_attention_triton
+from kernels_triton import has_triton
 from model_dsv4 import rope_cos_sin, sink_attention, top_k_mask
 
 
@@ -130,7 +131,7 @@ class KVCache:
         """Add one token's kv/score row to its partial window; when the window completes, pool it into a
         new compressed entry (RoPE at the window's first position) and roll the overlap state.
         Every row is pooled and the result kept only where the window is complete: no host sync, fixed shapes.
-        fast: kernels_triton.compress_pool_triton pools only the complete windows, reading the caches in place."""
+        fast: kernels_decode.compress_pool_triton pools only the complete windows, reading the caches in place."""
         m, d = comp.ratio, comp.head_dim
         kv, score = comp.project(h[:, 0])  # [B, coff*d]
         j = pos % m
@@ -162,7 +163,7 @@ class KVCache:
         mask = ((wpos >= 0) & (wpos > pos[:, None] - W) & (wpos <= pos[:, None]))[:, None]  # [B, 1, W]
         S = 0
         if attn.ratio:
-            fast = attn.fast and has_triton(h) and not torch.is_grad_enabled()  # kernels_triton.py's kernels
+            fast = attn.fast and has_triton(h) and not torch.is_grad_enabled()  # kernels_decode.py's kernels
             self._compressor_step(attn.compressor, h, c, "comp", slots, pos, fast)
             n_vis = (pos + 1) // attn.ratio  # entries whose whole window is at or before pos
             # CUDA graphs and compiled code want fixed shapes: every cache entry, masked; eager reads up to the
@@ -176,7 +177,7 @@ class KVCache:
                 score = score.masked_fill(~visible, float("-inf"))
                 visible = visible & top_k_mask(score, attn.indexer.topk)
             mask = torch.cat([mask, visible[:, None]], dim=-1)
-        if attn.fast and has_triton(q) and not torch.is_grad_enabled():  # kernels_triton.py: keys read in place
+        if attn.fast and has_triton(q) and not torch.is_grad_enabled():  # kernels_decode.py: keys read in place
             o = decode_attention_triton(q[:, 0], c["win"], c.get("comp"), slots, mask[:, 0], attn.attn_sink,
                                         attn.softmax_scale)[:, None]
         else:

@@ -1,4 +1,4 @@
-"""The routed experts of a decode step as Triton kernels (kernels_triton.experts_triton's two, under several block
+"""The routed experts of a decode step as Triton kernels (kernels_decode.experts_triton's two, under several block
 configs), against kernels.grouped_experts' math (aten's grouped GEMM), for the decode step's shapes: bench_2b's 64
 experts (D 1536, I 512, top-6) and 64 or 256 tokens, rows sorted by expert, routed uniformly at random and skewed
 (a few experts take many rows). A decode step's experts are bound by reading their weights (301 MB a layer, every
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import kernels_triton as kt  # noqa: E402  (before triton: on a CPU it turns on the interpreter)
+import kernels_decode as kt  # noqa: E402  (before triton: on a CPU kernels_triton turns on the interpreter)
 import triton  # noqa: E402
 from probe_timing import graph_us  # noqa: E402
 

@@ -1,10 +1,8 @@
 """kernels_triton.py's kernels against the code they replace: sinkhorn_triton (mHC's Sinkhorn loop as one Triton kernel
 forward and one backward) against model_dsv4.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
-model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile; decode_attention_triton against
-model_dsv4.sink_attention on the gathered keys, alone and in the engine's decode; experts_triton against
-kernels.grouped_experts and Expert.forward, alone and in the model's forward without grad; compress_pool_triton
-against Compressor.pool, alone and in the engine's decode. Without a GPU,
-kernels_triton.py runs Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
+model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile, and in the whole model; and every Triton
+kernel of the project (kernels_decode.py's too, whose tests are test_decode_kernels.py) compiled for sm_90 and gfx950.
+Without a GPU, kernels_triton.py runs Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
 import copy
 import os
 import subprocess
@@ -15,14 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels_triton import (compress_pool_triton, decode_attention_triton,  # before triton: without a GPU it turns
-                            experts_triton, hc_post_triton, sinkhorn_triton)  # on the interpreter
-import kernels
-import kv_cache
+from kernels_triton import hc_post_triton, sinkhorn_triton  # before triton: without a GPU it turns on the interpreter
 import model_dsv4
 import parallel
 from conftest import SMALL, TINY, randomize_
-from model_dsv4 import Block, Compressor, Expert, Transformer, sink_attention, sinkhorn
+from model_dsv4 import Block, Transformer, sinkhorn
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
 
@@ -160,144 +155,6 @@ def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
         assert (a - b).abs().max() <= 5e-5 * b.abs().max() + 1e-6 * top, n
 
 
-@pytest.mark.parametrize("H,D,compressed,dtype", [(3, 40, True, torch.float32), (20, 32, False, torch.float32),
-                                                   (16, 64, True, torch.bfloat16)])
-def test_decode_attention_triton_equals_sink_attention(H, D, compressed, dtype):
-    """One query token per sequence against its cache rows (slots out of order, one cache row never read), the
-    window's 8 keys and the first 50 of 60 compressed entries (two blocks of keys: one row attends nothing in the
-    second, one nothing at all), against sink_attention on the keys gathered and concatenated, and exact attention
-    in fp64. Heads 3 and 20 (padded to blocks of 16), head dims 40 and 32 (padded to a power of two). fp32: to 1e-5
-    of the largest output. bf16 (the engine's): the reference to a rounding, the kernel to two (the interpreter
-    truncates where the GPU rounds: probabilities and output)."""
-    g = torch.Generator().manual_seed(H)
-    B, W, n_comp, S = 5, 8, 60, 50 if compressed else 0
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEV, dtype)
-    q, win, comp, sink = rnd(B, H, D) * 2, rnd(B + 1, W, D), rnd(B + 1, n_comp, D) if compressed else None, rnd(H)
-    slots = torch.randperm(B + 1, generator=g)[:B].to(DEV)
-    mask = torch.rand(B, W + S, generator=g).to(DEV) < 0.6
-    mask[1] = False
-    mask[2, 32:] = False
-    out = decode_attention_triton(q, win, comp, slots, mask, sink.float(), D ** -0.5)
-    keys = torch.cat([win[slots], comp[slots, :S]], 1) if compressed else win[slots]
-    ref = sink_attention(q[:, None], keys, mask[:, None], sink.float(), D ** -0.5)[:, 0]
-    exact = sink_attention(q[:, None].double(), keys.double(), mask[:, None], sink.double(), D ** -0.5)[:, 0]
-    assert out.shape == ref.shape and out.dtype == dtype and (out[1] == 0).all()  # the sink took all of row 1
-    top = exact.abs().max()
-    if dtype == torch.float32:
-        assert (out.double() - exact).abs().max() <= 1e-5 * top
-    else:
-        assert (ref.double() - exact).abs().max() <= 2 ** -8 * top
-        assert (out.double() - exact).abs().max() <= 2 ** -6 * top
-
-
-@pytest.mark.parametrize("E,D,I,tokens,limit,dtype", [(4, 40, 24, 5, 1.0, torch.float32),
-                                                       (3, 64, 32, 20, 0.0, torch.float32),
-                                                       (4, 64, 48, 6, 1.0, torch.bfloat16)])
-def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, monkeypatch):
-    """A decode step's routed experts, rows sorted by expert (expert 1 has none), against grouped_experts' aten path
-    and Expert.forward per expert in fp64. D 40 and I 24 are not multiples of the kernels' blocks (masked edges);
-    20 tokens x top-2 of 3 experts give 40 rows > 16 an expert (blocks of 32 rows). limit 1.0 clamps most of the
-    gate and up values (x scaled by 4), 0.0 none. fp32: to 1e-5 of the largest output; bf16 to two roundings."""
-    g = torch.Generator().manual_seed(D)
-    experts = [Expert(D, I, limit) for _ in range(E)]
-    for e in experts:
-        for w in (e.w1, e.w2, e.w3):
-            w.weight.data = (torch.randn(w.weight.shape, generator=g) / w.weight.shape[1] ** 0.5).to(dtype)
-    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)]).flatten()
-    idx[idx == 1] = 0
-    counts = torch.bincount(idx, minlength=E)
-    xs = (torch.randn(len(idx), D, generator=g) * 4).to(dtype)
-    ws = torch.rand(len(idx), generator=g)
-    experts = [e.to(DEV) for e in experts]
-    xs, ws, counts = xs.to(DEV), ws.to(DEV), counts.to(DEV)
-    w13, w2 = kernels.stack(experts)
-    with torch.no_grad():
-        out = experts_triton(xs, ws, counts.cumsum(0).to(torch.int32), w13, w2, limit)
-        monkeypatch.setattr(kernels, "has_triton", lambda t: False)
-        ref = kernels.grouped_experts(experts, xs, ws, counts, limit)
-        ends = counts.cumsum(0).tolist()
-        exact = torch.cat([copy.deepcopy(e).double()(xs[a:b].double(), ws[a:b].double())
-                           for e, a, b in zip(experts, [0] + ends[:-1], ends)])
-    assert out.shape == ref.shape and out.dtype == dtype
-    top = exact.abs().max()
-    if dtype == torch.float32:
-        assert (out.double() - ref.double()).abs().max() <= 1e-5 * top
-    else:
-        assert (ref.double() - exact).abs().max() <= 2 ** -6 * top
-        assert (out.double() - exact).abs().max() <= 2 ** -6 * top
-
-
-@pytest.mark.parametrize("ratio,d", [(4, 40), (16, 32), (128, 24)])
-def test_compress_pool_triton_equals_pool(ratio, d):
-    """A decode step's pooling of each sequence's cached window, against Compressor.pool on the rows gathered: ratio 4
-    (CSA: overlapping windows, the previous window's first-half rows in, one sequence with none yet: -inf scores),
-    16 and 128 (HCA); head dims 40 and 24 (not multiples of the kernel's channel block); 5 sequences in cache rows out
-    of order, 2 of them not complete (zeros). fp32, to 1e-5 of the largest entry."""
-    g = torch.Generator().manual_seed(ratio)
-    comp = Compressor(SimpleNamespace(hidden_size=8, rms_norm_eps=1e-6), ratio, d)
-    comp.ape.data = torch.randn(comp.ape.shape, generator=g)
-    coff, rows = 2 if comp.overlap else 1, 7
-    kv, score = torch.randn(rows, ratio, coff * d, generator=g), torch.randn(rows, ratio, coff * d, generator=g) * 3
-    prev_kv, prev_score = torch.randn(rows, ratio, d, generator=g), torch.randn(rows, ratio, d, generator=g) * 3
-    slots = torch.tensor([4, 0, 6, 2, 5])
-    prev_score[6] = float("-inf")  # no window before
-    full = torch.tensor([True, False, True, True, False])
-    comp, kv, score, prev_kv, prev_score, slots, full = (t.to(DEV) for t in (comp, kv, score, prev_kv, prev_score,
-                                                                              slots, full))
-    out = compress_pool_triton(kv, score, prev_kv, prev_score, comp.ape, slots, full, comp.overlap)
-    with torch.no_grad():
-        ref = comp.pool(kv[slots, None], score[slots, None], prev_kv[slots], prev_score[slots])[:, 0]
-    assert out.shape == (5, d) and (out[~full] == 0).all()
-    assert (out[full] - ref[full]).abs().max() <= 1e-5 * ref[full].abs().max()
-
-
-def test_engine_decode_on_triton_attention_equals_reference(monkeypatch):
-    """The engine's decode with the kernel (static caches, read whole and masked, as under CUDA graphs) against the
-    reference path (each sequence's entries up to its own count, gathered): TINY's window, CSA and HCA layers decode
-    14 tokens in cache rows 2, 0, 3 after prompts of 3, 20 and 37 tokens (past the 32-token window and across CSA
-    and HCA windows), both sides fed the same tokens. fp32, so that a wrong key or mask is not lost in bf16's noise
-    (which this random model amplifies: the bf16 reference alone, static against not, parts by 0.7 on logits of 4.8);
-    7e-6 apart on the CPU. (The experts' kernels in the interpreter would make this a minute: the next test.)"""
-    monkeypatch.setattr(kv_cache, "has_triton", lambda t: True)
-    model = randomize_(Transformer(copy.deepcopy(TINY), dtype=torch.float32), TINY.n_routed_experts,
-                       TINY.num_experts_per_tok, seed=2).to(DEV)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, TINY.vocab_size, (n,), generator=g).tolist() for n in (3, 20, 37)]
-    tokens = torch.randint(2, TINY.vocab_size, (14, 3), generator=g).to(DEV)
-    slots = torch.tensor([2, 0, 3], device=DEV)
-    logits = []
-    for fast in (True, False):
-        for layer in model.layers.values():
-            layer.attn.fast = fast
-        cache = kv_cache.KVCache(model, 4, 64, DEV, static=fast)
-        out = []
-        with torch.no_grad():
-            cache.prefill(model, slots.tolist(), prompts)
-            for i, t in enumerate(tokens):
-                out.append(cache.decode(model, slots, t, torch.tensor([len(p) + i for p in prompts], device=DEV)))
-        logits.append(torch.stack(out).float())
-    fast, ref = logits
-    assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max(), ((fast - ref).abs().max(), ref.abs().max())
-
-
-def test_model_without_grad_on_triton_experts_equals_reference(monkeypatch):
-    """A forward without grad (the engine's prefill and decode) takes the experts' kernels through
-    kernels.grouped_experts (with few rows an expert): four of TINY's layers on 2 sequences of 10 tokens against the
-    same model on aten's grouped GEMM, fp32, to 1e-5 of the largest logit; each layer's MoE called the kernels once."""
-    calls = []
-    monkeypatch.setattr(kernels, "has_triton", lambda t: True)
-    monkeypatch.setattr(kernels, "experts_triton", lambda *a: calls.append(1) or experts_triton(*a))
-    model = randomize_(Transformer(copy.deepcopy(FOUR), dtype=torch.float32), FOUR.n_routed_experts,
-                       FOUR.num_experts_per_tok, seed=6).to(DEV).set_kernels(True)
-    ids = torch.randint(0, FOUR.vocab_size, (2, 10), generator=torch.Generator().manual_seed(7)).to(DEV)
-    with torch.no_grad():
-        fast = model(ids)
-        monkeypatch.setattr(kernels, "has_triton", lambda t: False)
-        ref = model(ids)
-    assert len(calls) == FOUR.num_hidden_layers
-    assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max()
-
-
 def test_kernels_compile_for_h200_and_mi355x():
     """Triton's interpreter runs code that its compiler refuses (session 14's first kernel passed the tests above on
     the CPU and failed to compile on the GPU: an `if` whose branches gave two shapes). So every kernel is also
@@ -306,7 +163,7 @@ def test_kernels_compile_for_h200_and_mi355x():
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512; the experts' two kernels; the
     compressor's pooling with and without overlap. In a subprocess: this process's kernels are interpreted."""
     code = """
-import kernels_triton as kt, triton
+import kernels_decode as kd, kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 # (kernel, constexprs, scalar arguments, bf16 pointers (the others fp32), warps)
@@ -314,16 +171,16 @@ kernels = [(fn, {"STEPS": 39, "N": 4, "NP": 4, "BLOCK": kt.BLOCK}, {"n_tok": "i3
            for fn in (kt._sinkhorn_fwd, kt._sinkhorn_bwd)]
 kernels += [(fn, {"N": 4, "NP": 4, "BLOCK_D": 2048}, {"D": "i32"}, ("f_ptr", "x_ptr", "y_ptr", "dy_ptr", "df_ptr"),
              8) for fn in (kt._hc_post_fwd, kt._hc_post_bwd)]
-kernels += [(kt._decode_attn, {"HEADS": kt.HEADS, "DP": 512, "BLOCK_N": kt.DECODE_BLOCK_N, "F32": False},
+kernels += [(kd._decode_attn, {"HEADS": kd.HEADS, "DP": 512, "BLOCK_N": kd.DECODE_BLOCK_N, "F32": False},
              {"scale": "fp32", **{a: "i32" for a in ("H", "D", "W", "S", "n_comp")}, "slot_ptr": "*i64",
               "mask_ptr": "*u8"}, ("q_ptr", "win_ptr", "comp_ptr", "out_ptr"), 4)]
-blocks = {"F32": False, "BLOCK_M": 16, "BLOCK_N": kt.EXPERTS_BLOCK_N, "BLOCK_K": kt.EXPERTS_BLOCK_K}
-kernels += [(kt._compress_pool, {"OVERLAP": o, "MP": m, "BLOCK_D": kt.POOL_BLOCK_D},
+blocks = {"F32": False, "BLOCK_M": 16, "BLOCK_N": kd.EXPERTS_BLOCK_N, "BLOCK_K": kd.EXPERTS_BLOCK_K}
+kernels += [(kd._compress_pool, {"OVERLAP": o, "MP": m, "BLOCK_D": kd.POOL_BLOCK_D},
              {"m": "i32", "d": "i32", "slot_ptr": "*i64", "full_ptr": "*u8"}, (), 4)
             for o, m in ((True, 4), (False, 128))]
 kernels += [(fn, consts, {"D": "i32", "I": "i32", "limit": "fp32", "offs_ptr": "*i32"},
              ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "out_ptr"), 4)
-            for fn, consts in ((kt._experts_up, {"CLAMP": True, **blocks}), (kt._experts_down, blocks))]
+            for fn, consts in ((kd._experts_up, {"CLAMP": True, **blocks}), (kd._experts_down, blocks))]
 for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "gfx950", 64), "hsaco")):
     for fn, consts, scalars, bf16, warps in kernels:
         ptrs = {a: "*bf16" if a in bf16 else scalars.get(a, "*fp32") for a in fn.arg_names if a.endswith("_ptr")}

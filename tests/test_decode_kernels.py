@@ -1,0 +1,160 @@
+"""kernels_decode.py's kernels against the code they replace: decode_attention_triton against model_dsv4.sink_attention
+on the gathered keys, alone and in the engine's decode; experts_triton against kernels.grouped_experts and
+Expert.forward, alone and in the model's forward without grad; compress_pool_triton against Compressor.pool, alone and
+in the engine's decode. Without a GPU, Triton's interpreter runs them on CPU tensors (kernels_triton.py turns it on);
+test_triton.py compiles them for sm_90 and gfx950."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels_decode import (compress_pool_triton, decode_attention_triton,  # before triton: without a GPU it turns
+                            experts_triton)                                   # on the interpreter
+import kernels
+import kv_cache
+from conftest import TINY, randomize_
+from model_dsv4 import Compressor, Expert, Transformer, sink_attention
+from test_triton import FOUR
+
+pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("H,D,compressed,dtype", [(3, 40, True, torch.float32), (20, 32, False, torch.float32),
+                                                   (16, 64, True, torch.bfloat16)])
+def test_decode_attention_triton_equals_sink_attention(H, D, compressed, dtype):
+    """One query token per sequence against its cache rows (slots out of order, one cache row never read), the
+    window's 8 keys and the first 50 of 60 compressed entries (two blocks of keys: one row attends nothing in the
+    second, one nothing at all), against sink_attention on the keys gathered and concatenated, and exact attention
+    in fp64. Heads 3 and 20 (padded to blocks of 16), head dims 40 and 32 (padded to a power of two). fp32: to 1e-5
+    of the largest output. bf16 (the engine's): the reference to a rounding, the kernel to two (the interpreter
+    truncates where the GPU rounds: probabilities and output)."""
+    g = torch.Generator().manual_seed(H)
+    B, W, n_comp, S = 5, 8, 60, 50 if compressed else 0
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEV, dtype)
+    q, win, comp, sink = rnd(B, H, D) * 2, rnd(B + 1, W, D), rnd(B + 1, n_comp, D) if compressed else None, rnd(H)
+    slots = torch.randperm(B + 1, generator=g)[:B].to(DEV)
+    mask = torch.rand(B, W + S, generator=g).to(DEV) < 0.6
+    mask[1] = False
+    mask[2, 32:] = False
+    out = decode_attention_triton(q, win, comp, slots, mask, sink.float(), D ** -0.5)
+    keys = torch.cat([win[slots], comp[slots, :S]], 1) if compressed else win[slots]
+    ref = sink_attention(q[:, None], keys, mask[:, None], sink.float(), D ** -0.5)[:, 0]
+    exact = sink_attention(q[:, None].double(), keys.double(), mask[:, None], sink.double(), D ** -0.5)[:, 0]
+    assert out.shape == ref.shape and out.dtype == dtype and (out[1] == 0).all()  # the sink took all of row 1
+    top = exact.abs().max()
+    if dtype == torch.float32:
+        assert (out.double() - exact).abs().max() <= 1e-5 * top
+    else:
+        assert (ref.double() - exact).abs().max() <= 2 ** -8 * top
+        assert (out.double() - exact).abs().max() <= 2 ** -6 * top
+
+
+@pytest.mark.parametrize("E,D,I,tokens,limit,dtype", [(4, 40, 24, 5, 1.0, torch.float32),
+                                                       (3, 64, 32, 20, 0.0, torch.float32),
+                                                       (4, 64, 48, 6, 1.0, torch.bfloat16)])
+def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, monkeypatch):
+    """A decode step's routed experts, rows sorted by expert (expert 1 has none), against grouped_experts' aten path
+    and Expert.forward per expert in fp64. D 40 and I 24 are not multiples of the kernels' blocks (masked edges);
+    20 tokens x top-2 of 3 experts give 40 rows > 16 an expert (blocks of 32 rows). limit 1.0 clamps most of the
+    gate and up values (x scaled by 4), 0.0 none. fp32: to 1e-5 of the largest output; bf16 to two roundings."""
+    g = torch.Generator().manual_seed(D)
+    experts = [Expert(D, I, limit) for _ in range(E)]
+    for e in experts:
+        for w in (e.w1, e.w2, e.w3):
+            w.weight.data = (torch.randn(w.weight.shape, generator=g) / w.weight.shape[1] ** 0.5).to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)]).flatten()
+    idx[idx == 1] = 0
+    counts = torch.bincount(idx, minlength=E)
+    xs = (torch.randn(len(idx), D, generator=g) * 4).to(dtype)
+    ws = torch.rand(len(idx), generator=g)
+    experts = [e.to(DEV) for e in experts]
+    xs, ws, counts = xs.to(DEV), ws.to(DEV), counts.to(DEV)
+    w13, w2 = kernels.stack(experts)
+    with torch.no_grad():
+        out = experts_triton(xs, ws, counts.cumsum(0).to(torch.int32), w13, w2, limit)
+        monkeypatch.setattr(kernels, "has_triton", lambda t: False)
+        ref = kernels.grouped_experts(experts, xs, ws, counts, limit)
+        ends = counts.cumsum(0).tolist()
+        exact = torch.cat([copy.deepcopy(e).double()(xs[a:b].double(), ws[a:b].double())
+                           for e, a, b in zip(experts, [0] + ends[:-1], ends)])
+    assert out.shape == ref.shape and out.dtype == dtype
+    top = exact.abs().max()
+    if dtype == torch.float32:
+        assert (out.double() - ref.double()).abs().max() <= 1e-5 * top
+    else:
+        assert (ref.double() - exact).abs().max() <= 2 ** -6 * top
+        assert (out.double() - exact).abs().max() <= 2 ** -6 * top
+
+
+@pytest.mark.parametrize("ratio,d", [(4, 40), (16, 32), (128, 24)])
+def test_compress_pool_triton_equals_pool(ratio, d):
+    """A decode step's pooling of each sequence's cached window, against Compressor.pool on the rows gathered: ratio 4
+    (CSA: overlapping windows, the previous window's first-half rows in, one sequence with none yet: -inf scores),
+    16 and 128 (HCA); head dims 40 and 24 (not multiples of the kernel's channel block); 5 sequences in cache rows out
+    of order, 2 of them not complete (zeros). fp32, to 1e-5 of the largest entry."""
+    g = torch.Generator().manual_seed(ratio)
+    comp = Compressor(SimpleNamespace(hidden_size=8, rms_norm_eps=1e-6), ratio, d)
+    comp.ape.data = torch.randn(comp.ape.shape, generator=g)
+    coff, rows = 2 if comp.overlap else 1, 7
+    kv, score = torch.randn(rows, ratio, coff * d, generator=g), torch.randn(rows, ratio, coff * d, generator=g) * 3
+    prev_kv, prev_score = torch.randn(rows, ratio, d, generator=g), torch.randn(rows, ratio, d, generator=g) * 3
+    slots = torch.tensor([4, 0, 6, 2, 5])
+    prev_score[6] = float("-inf")  # no window before
+    full = torch.tensor([True, False, True, True, False])
+    comp, kv, score, prev_kv, prev_score, slots, full = (t.to(DEV) for t in (comp, kv, score, prev_kv, prev_score,
+                                                                              slots, full))
+    out = compress_pool_triton(kv, score, prev_kv, prev_score, comp.ape, slots, full, comp.overlap)
+    with torch.no_grad():
+        ref = comp.pool(kv[slots, None], score[slots, None], prev_kv[slots], prev_score[slots])[:, 0]
+    assert out.shape == (5, d) and (out[~full] == 0).all()
+    assert (out[full] - ref[full]).abs().max() <= 1e-5 * ref[full].abs().max()
+
+
+def test_engine_decode_on_triton_attention_equals_reference(monkeypatch):
+    """The engine's decode with the kernel (static caches, read whole and masked, as under CUDA graphs) against the
+    reference path (each sequence's entries up to its own count, gathered): TINY's window, CSA and HCA layers decode
+    14 tokens in cache rows 2, 0, 3 after prompts of 3, 20 and 37 tokens (past the 32-token window and across CSA
+    and HCA windows), both sides fed the same tokens. fp32, so that a wrong key or mask is not lost in bf16's noise
+    (which this random model amplifies: the bf16 reference alone, static against not, parts by 0.7 on logits of 4.8);
+    7e-6 apart on the CPU. (The experts' kernels in the interpreter would make this a minute: the next test.)"""
+    monkeypatch.setattr(kv_cache, "has_triton", lambda t: True)
+    model = randomize_(Transformer(copy.deepcopy(TINY), dtype=torch.float32), TINY.n_routed_experts,
+                       TINY.num_experts_per_tok, seed=2).to(DEV)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, TINY.vocab_size, (n,), generator=g).tolist() for n in (3, 20, 37)]
+    tokens = torch.randint(2, TINY.vocab_size, (14, 3), generator=g).to(DEV)
+    slots = torch.tensor([2, 0, 3], device=DEV)
+    logits = []
+    for fast in (True, False):
+        for layer in model.layers.values():
+            layer.attn.fast = fast
+        cache = kv_cache.KVCache(model, 4, 64, DEV, static=fast)
+        out = []
+        with torch.no_grad():
+            cache.prefill(model, slots.tolist(), prompts)
+            for i, t in enumerate(tokens):
+                out.append(cache.decode(model, slots, t, torch.tensor([len(p) + i for p in prompts], device=DEV)))
+        logits.append(torch.stack(out).float())
+    fast, ref = logits
+    assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max(), ((fast - ref).abs().max(), ref.abs().max())
+
+
+def test_model_without_grad_on_triton_experts_equals_reference(monkeypatch):
+    """A forward without grad (the engine's prefill and decode) takes the experts' kernels through
+    kernels.grouped_experts (with few rows an expert): four of TINY's layers on 2 sequences of 10 tokens against the
+    same model on aten's grouped GEMM, fp32, to 1e-5 of the largest logit; each layer's MoE called the kernels once."""
+    calls = []
+    monkeypatch.setattr(kernels, "has_triton", lambda t: True)
+    monkeypatch.setattr(kernels, "experts_triton", lambda *a: calls.append(1) or experts_triton(*a))
+    model = randomize_(Transformer(copy.deepcopy(FOUR), dtype=torch.float32), FOUR.n_routed_experts,
+                       FOUR.num_experts_per_tok, seed=6).to(DEV).set_kernels(True)
+    ids = torch.randint(0, FOUR.vocab_size, (2, 10), generator=torch.Generator().manual_seed(7)).to(DEV)
+    with torch.no_grad():
+        fast = model(ids)
+        monkeypatch.setattr(kernels, "has_triton", lambda t: False)
+        ref = model(ids)
+    assert len(calls) == FOUR.num_hidden_layers
+    assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max()
