@@ -47,6 +47,8 @@ p.add_argument("--profile", action="store_true", help="train, decode: print the 
                "step; four decode steps)")
 p.add_argument("--trace", default="", help="with --profile: also write the profiled steps' trace (chrome://tracing "
                "JSON) here")
+p.add_argument("--no_peer", action="store_true", help="decode: ours and the floor only, not transformers' generate "
+               "(for runs that compare our own versions; the ratio needs the full run)")
 p.add_argument("--layers", type=int, default=0, help="keep only the first N trunk layers (less memory; 0 = all)")
 cli = p.parse_args()
 if cli.compile == "graphs" and not torch.cuda.is_available():
@@ -168,7 +170,8 @@ def bench_decode(ours, ref, args, device, versions):
     print(f"greedy decode, {cli.model}, batch {cli.batch}, prompt {cli.seq}, {cli.new_tokens} new tokens, "
           f"{cli.dtype}, {versions}", flush=True)
     times, outputs = {}, {}
-    for name, fn in (("nano-dsv4-rl", run_ours), ("transformers", run_ref)):
+    sides = (("nano-dsv4-rl", run_ours),) + (() if cli.no_peer else (("transformers", run_ref),))
+    for name, fn in sides:
         t0 = time.perf_counter()
         fn(min(cli.new_tokens, 8))  # warm-up (and the engine's compile and CUDA graph capture)
         sync(device)
@@ -178,7 +181,7 @@ def bench_decode(ours, ref, args, device, versions):
         times[name] = t = time.perf_counter() - t1
         print(f"  {name:14s} {n / t:10.0f} tokens/s   ({t:.2f} s, {t / cli.new_tokens * 1e3:.2f} ms/step; "
               f"warm-up {t1 - t0:.0f} s)", flush=True)
-    same = sum(a == b for a, b in zip(outputs["nano-dsv4-rl"], outputs["transformers"]))
+    same = sum(a == b for a, b in zip(outputs["nano-dsv4-rl"], outputs.get("transformers", [])))
     # the model's step alone (on a GPU one CUDA graph replay), without sampling and scheduling on the host
     slots, pos = torch.arange(cli.batch, device=device), torch.full((cli.batch,), cli.seq, device=device)
     engine.decode(slots, prompts[:, 0], pos)
@@ -211,8 +214,9 @@ def bench_decode(ours, ref, args, device, versions):
     sync(device)
     bw = 2 * 10 * buf.numel() / (time.perf_counter() - t0)  # read + write
     floor = (w_bytes + kv) / bw
-    print(f"  ratio ours / transformers: {times['transformers'] / times['nano-dsv4-rl']:.2f}x; "
-          f"identical greedy outputs: {same}/{cli.batch} sequences")
+    if not cli.no_peer:
+        print(f"  ratio ours / transformers: {times['transformers'] / times['nano-dsv4-rl']:.2f}x; "
+              f"identical greedy outputs: {same}/{cli.batch} sequences")
     print(f"  ours, the model's decode step alone: {t_model * 1e3:.2f} ms; the rest of a step (sampling, scheduling): "
           f"{(times['nano-dsv4-rl'] / cli.new_tokens - t_model) * 1e3:.2f} ms, of which the prefill and first token "
           f"({t_prefill * 1e3:.0f} ms) spread over the steps {t_prefill / cli.new_tokens * 1e3:.2f} ms")

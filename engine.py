@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels_decode import sample_triton
+from kernels_triton import has_triton
 from kv_cache import KVCache
 
 GREEDY_T = 1e-6  # SGLang treats temperature below this as greedy
@@ -97,7 +99,7 @@ class Engine:
                              and not any(getattr(m, "fp8_emu", False) for m in model.modules())) else None
         # a scratch slot past max_batch: the padding rows of the CUDA graphs' batch buckets decode into it
         self.cache = KVCache(model, max_batch + 1, max_len, self.device, static=self.graphs is not None)
-        self._stack_experts()
+        self._weights_in_place()
         self.vocab_size, self.eos_token_id = self.args.vocab_size, self.args.eos_token_id
         self.weight_version = "default"
         self.lock = threading.Lock()  # held while stepping: weight swaps take it
@@ -268,7 +270,13 @@ class Engine:
         if ahead is not None:
             draws[:, 1] += ahead
         filtered = bool(params[:, 1].min() < 1.0 or params[:, 2].min() < V)
-        chosen = sample_tokens(logits, self._upload(params), self._upload(draws), filtered)
+        fast = all(layer.ffn.fast for layer in self.model.layers.values())  # the kernels on (not set_invariant)
+        if fast and has_triton(logits) and not filtered:  # kernels_decode.sample_triton: the same draws, on a GPU
+            greedy = params[:, 0] < GREEDY_T
+            temp = torch.where(greedy, 1.0, params[:, 0]).float()
+            chosen = sample_triton(logits, *(self._upload(t) for t in (temp, greedy, draws)))
+        else:
+            chosen = sample_tokens(logits, self._upload(params), self._upload(draws), filtered)
         out = type("InFlight", (), {})()
         out.reqs, out.tokens, out.host = reqs, chosen[0].long(), chosen.to("cpu", non_blocking=True)
         out.event = torch.cuda.Event() if chosen.is_cuda else None
@@ -297,10 +305,11 @@ class Engine:
         """prompts: token lists -> fp32 logits [B, vocab] at each prompt's last position, each slot's cache filled."""
         return self.cache.prefill(self.model, slots, prompts)
 
-    def _stack_experts(self):
-        """Experts read in place by the grouped GEMM (Transformer.stack_experts). Re-stacked if something replaced
-        the parameters (a dtype cast), and then the CUDA graphs, which read the old stack, are dropped."""
-        if self.model.stack_experts():
+    def _weights_in_place(self):
+        """Experts read in place by the grouped GEMM (Transformer.stack_experts), and each layer's input projections
+        by one GEMM (Transformer.fuse_projections). Done again where something replaced the parameters (a dtype
+        cast), and then the CUDA graphs, which read the old tensors, are dropped."""
+        if self.model.stack_experts() | self.model.fuse_projections():  # both, always
             self.graphs = self.graphs and {}  # {} or None as before, without the stale captures
 
     def _upload(self, t):
@@ -317,7 +326,7 @@ class Engine:
         On a GPU this replays a CUDA graph of _decode captured for the smallest batch bucket >= B (the padding
         rows decode into the scratch slot): one launch instead of thousands, which is what bounds decode there."""
         B = len(slots)
-        self._stack_experts()  # here, not in the MoE: compiled code and CUDA graphs read the stack as given
+        self._weights_in_place()  # here, not in the model: compiled code and CUDA graphs read them as given
         if self.graphs is None:
             return self._decode(*(self._upload(t) for t in (slots, tokens, pos)))
         bucket = next(b for b in self.buckets if b >= B)

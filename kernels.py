@@ -202,6 +202,39 @@ def is_stacked(experts, stacked):
             == w2.data_ptr() + last * w2.stride(0) * w2.element_size())
 
 
+def fuse_rows_(weights):
+    """Decode's fused projections (Transformer.fuse_projections): move weights [N_i, K] that read the same input into
+    one [sum N_i, K] tensor, each weight's .data a view of its rows, so one GEMM computes them all. Weight loads and
+    optimizer steps write through the views; a cast or a load that assigns new tensors breaks them (is_fused)."""
+    with torch.no_grad():
+        buf = torch.cat([w.data for w in weights])
+    row = 0
+    for w in weights:
+        w.data, row = buf[row:row + w.shape[0]], row + w.shape[0]
+    return buf
+
+
+def is_fused(weights, buf):
+    """Whether the weights are (still) fuse_rows_'s views of buf: the first and the last stand for all."""
+    return (buf is not None and weights[0].data_ptr() == buf.data_ptr() and weights[-1].data_ptr()
+            == buf.data_ptr() + (buf.shape[0] - weights[-1].shape[0]) * buf.stride(0) * buf.element_size())
+
+
+def fused_projections(module, x):
+    """{name: x @ weight.T} of module.FUSED's projections (Attention, MoE) in one GEMM on module.fused, fp32, rounded
+    to x's dtype where the module's own projection rounds its output (not those in module.FP32). {} when the module
+    has no fused weights, or its weights are no longer their views (a deepcopy): then each projection runs on its own,
+    as in training and prefill. Only the engine's decode calls this (kv_cache.py)."""
+    names = module.fused_names()
+    # under torch.compile the caller vouches for the views (the engine runs Transformer.fuse_projections each step)
+    if module.fused is None or not module.fast or not (torch.compiler.is_compiling() or is_fused(
+            [module.get_submodule(n).weight for n in names], module.fused)):
+        return {}
+    outs = mm_f32(x.reshape(-1, x.shape[-1]), module.fused.t()).view(*x.shape[:-1], -1)
+    outs = outs.split([module.get_submodule(n).weight.shape[0] for n in names], dim=-1)
+    return {n: o if n in module.FP32 else o.to(x.dtype) for n, o in zip(names, outs)}
+
+
 def grouped_experts(experts, xs, ws, counts, limit, stacked=None):
     """xs [R, D] rows sorted by local expert, ws [R] fp32 routing weights, counts [e] rows per expert (a tensor:
     no host sync) -> [R, D]. Same math as Expert.forward: clamped SwiGLU, routing weight before w2.

@@ -8,9 +8,11 @@ the two agree, alone and in the engine; tests/test_triton.py compiles them for s
     the up projection with the SwiGLU and the down projection.
   - compress_pool_triton: a decode step's compressor pooling (model_dsv4.Compressor.pool over each sequence's cached
     window) for the sequences whose window completes at this token, reading nothing for the others.
+  - sample_triton: the engine's sampler (engine.sample_tokens without top-p and top-k) over chunks of the vocabulary.
 
-Each is a torch.library custom op, as kernels_triton.py's are; that module is imported first (it turns on Triton's
-interpreter without a GPU, before triton is imported).
+The first three are torch.library custom ops, as kernels_triton.py's are (compiled layers call them); the sampler runs
+outside compiled code. kernels_triton is imported first (it turns on Triton's interpreter without a GPU, before triton
+is imported).
 """
 from typing import Optional
 
@@ -262,3 +264,93 @@ def compress_pool_triton(kv: torch.Tensor, score: torch.Tensor, prev_kv: torch.T
 
 compress_pool_triton.register_fake(lambda kv, score, prev_kv, prev_score, ape, slots, full, overlap:
                                    kv.new_empty(slots.shape[0], prev_kv.shape[2]))
+
+
+# ----------------------------------------------------------------------------- sampling
+# The engine samples a token a row (engine.sample_tokens: log_softmax over the vocabulary, then greedy argmax or the
+# Gumbel-max draw of engine.gumbel's noise). Compiled, that is one reduction kernel with a program a row, each running
+# all 129280 tokens of V4's vocabulary: 174 us (greedy) and 175 us (temperature 1) of a bench_2b step at batch 64 on
+# an H200. Here a program takes a (row, chunk of 8192 tokens): its max and sum of exponentials, then, with the row's
+# log-sum-exp from every chunk, the chunk's first best token by logprob (+ the same Gumbel noise for sampled rows);
+# the chunks' best are compared in torch. 42 and 107 us there (bench/probe_sampler.py, RESULTS.md session 25); the
+# engine takes it on a GPU when no request filters by top-p or top-k.
+
+@_jit
+def _srl(x, k: tl.constexpr):
+    """x >> k as a logical shift of an int64 (engine.gumbel's srl)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+@_jit
+def _sample_sums(logits_ptr, temp_ptr, part_ptr, V, CHUNK, S, BLOCK: tl.constexpr):
+    """Row program_id(0), chunk program_id(1): the max and sum of exp(x - max) of x = logits / temperature."""
+    b, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    t, end = tl.load(temp_ptr + b), tl.minimum(V, s * CHUNK + CHUNK)
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    z = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(s * CHUNK, end, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + b * V + j, mask=j < end, other=float("-inf")) / t
+        new = tl.maximum(mx, x)
+        ref = tl.where(new > float("-inf"), new, 0.0)  # a lane with no token yet: exp(-inf) = 0, not exp(nan)
+        z = z * tl.exp(mx - ref) + tl.exp(x - ref)
+        mx = new
+    m = tl.max(mx, 0)
+    tl.store(part_ptr + (b * S + s) * 2, m)
+    tl.store(part_ptr + (b * S + s) * 2 + 1, tl.sum(z * tl.exp(mx - m), 0))
+
+
+@_jit
+def _sample_pick(logits_ptr, temp_ptr, greedy_ptr, draws_ptr, part_ptr, best_ptr, idx_ptr, lp_ptr, V, CHUNK, S,
+                 SP: tl.constexpr, BLOCK: tl.constexpr):
+    """Row program_id(0), chunk program_id(1): the row's log-sum-exp from the chunks' sums, then the chunk's first
+    token with the highest score (logprob, + Gumbel noise when sampled), the score and the token's logprob."""
+    b, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i = tl.arange(0, SP)
+    m_i = tl.load(part_ptr + (b * S + i) * 2, mask=i < S, other=float("-inf"))
+    z_i = tl.load(part_ptr + (b * S + i) * 2 + 1, mask=i < S, other=0.0)
+    m = tl.max(m_i, 0)
+    lse = m + tl.log(tl.sum(z_i * tl.exp(m_i - m), 0))
+    t, greedy = tl.load(temp_ptr + b), tl.load(greedy_ptr + b) != 0
+    seed, count = tl.load(draws_ptr + b * 2), tl.load(draws_ptr + b * 2 + 1)
+    row = (seed * -7046029254386353131 + count) * -3335678366873096957  # engine.gumbel's constants, signed
+    end = tl.minimum(V, s * CHUNK + CHUNK)
+    best, best_j, best_lp = tl.full((), float("-inf"), tl.float64), s * CHUNK, tl.full((), 0.0, tl.float32)
+    for start in range(s * CHUNK, end, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        lp = tl.load(logits_ptr + b * V + j, mask=j < end, other=float("-inf")) / t - lse
+        score = lp.to(tl.float64)
+        if not greedy:
+            x = (row + j.to(tl.int64)) * -7046029254386353131
+            x = (x ^ _srl(x, 30)) * -4658895280553007687
+            x = (x ^ _srl(x, 27)) * -7723592293110705685
+            u = (_srl(x ^ _srl(x, 31), 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2 ** -53
+            score = tl.where(j < end, score - tl.log(-tl.log(u)), float("-inf"))
+        k = tl.argmax(score, 0)
+        top = tl.max(score, 0)
+        if top > best:  # strictly: the first of equal scores stays
+            best, best_j = top, start + k
+            best_lp = tl.sum(tl.where(tl.arange(0, BLOCK) == k, lp, 0.0), 0)
+    tl.store(best_ptr + b * S + s, best)
+    tl.store(idx_ptr + b * S + s, best_j)
+    tl.store(lp_ptr + b * S + s, best_lp)
+
+
+SAMPLE_CHUNK, SAMPLE_BLOCK = 8192, 1024  # 16 chunks of 129280 tokens: 1024 programs at batch 64
+
+
+def sample_triton(logits, temp, greedy, draws, chunk=SAMPLE_CHUNK):
+    """engine.sample_tokens without top-p and top-k: logits fp32 [B, V], temp fp32 [B] (1 for greedy rows), greedy
+    bool [B], draws int64 [B, 2] (seed, token index), chunk tokens a program -> fp64 [2, B]: the tokens and their
+    logprobs."""
+    B, V = logits.shape
+    block = min(SAMPLE_BLOCK, triton.next_power_of_2(chunk))
+    S = triton.cdiv(V, chunk)
+    part = logits.new_empty(B, S, 2)
+    best, idx, lp = logits.new_empty(B, S, dtype=torch.float64), draws.new_empty(B, S), logits.new_empty(B, S)
+    args = (logits.contiguous(), temp.float().contiguous())
+    _sample_sums[(B, S)](*args, part, V, chunk, S, BLOCK=block, num_warps=4)
+    _sample_pick[(B, S)](*args, greedy.contiguous().view(torch.uint8), draws.contiguous(), part, best, idx, lp, V,
+                         chunk, S, SP=triton.next_power_of_2(S), BLOCK=block, num_warps=4)
+    j = best.argmax(1, keepdim=True)  # the first chunk of equal scores
+    return torch.stack([idx.gather(1, j)[:, 0].double(), lp.gather(1, j)[:, 0].double()])

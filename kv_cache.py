@@ -16,6 +16,7 @@ CUDA graph.
 """
 import torch
 
+from kernels import fused_projections
 from kernels_decode import compress_pool_triton, decode_attention_triton
 from kernels_triton import has_triton
 from model_dsv4 import rope_cos_sin, sink_attention, top_k_mask
@@ -125,15 +126,17 @@ class KVCache:
         h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
         x = layer.hc_post(self._attn_decode(layer.attn, layer.attn_norm(h), c, slots, pos), x, post, comb)
         h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
-        return layer.hc_post(layer.ffn(layer.ffn_norm(h), tokens[:, None]), x, post, comb)
+        h = layer.ffn_norm(h)
+        return layer.hc_post(layer.ffn(h, tokens[:, None], fused_projections(layer.ffn, h)), x, post, comb)
 
-    def _compressor_step(self, comp, h, c, name, slots, pos, fast):
+    def _compressor_step(self, comp, h, c, name, slots, pos, fast, proj):
         """Add one token's kv/score row to its partial window; when the window completes, pool it into a
         new compressed entry (RoPE at the window's first position) and roll the overlap state.
         Every row is pooled and the result kept only where the window is complete: no host sync, fixed shapes.
-        fast: kernels_decode.compress_pool_triton pools only the complete windows, reading the caches in place."""
+        fast: kernels_decode.compress_pool_triton pools only the complete windows, reading the caches in place.
+        proj: (kv, score) [B, 1, coff*d] from the layer's fused projections, or None: comp.project here."""
         m, d = comp.ratio, comp.head_dim
-        kv, score = comp.project(h[:, 0])  # [B, coff*d]
+        kv, score = comp.project(h[:, 0]) if proj is None else (proj[0][:, 0], proj[1][:, 0])  # [B, coff*d]
         j = pos % m
         c[name + "_kv"][slots, j], c[name + "_score"][slots, j] = kv, score
         full = (j == m - 1)[:, None]
@@ -155,16 +158,18 @@ class KVCache:
     def _attn_decode(self, attn, h, c, slots, pos):
         a = self.args
         cos, sin = rope_cos_sin(a, attn.ratio, pos[:, None])  # [B, 1, rd/2]: each sequence at its own position
-        q, qr = attn.query(h, cos, sin)
+        p = fused_projections(attn, h)  # the input's projections in one GEMM where the engine fused them, else {}
+        comp = lambda n: (p[n + ".wkv"], p[n + ".wgate"]) if p else None
+        q, qr = attn.query(h, cos, sin, p.get("wq_a"))
         W = a.sliding_window
-        c["win"][slots, pos % W] = attn.window_kv(h, cos, sin)[:, 0]
+        c["win"][slots, pos % W] = attn.window_kv(h, cos, sin, p.get("wkv"))[:, 0]
         c["win_pos"][slots, pos % W] = pos
         wpos = c["win_pos"][slots]  # [B, W]
         mask = ((wpos >= 0) & (wpos > pos[:, None] - W) & (wpos <= pos[:, None]))[:, None]  # [B, 1, W]
         S = 0
         if attn.ratio:
             fast = attn.fast and has_triton(h) and not torch.is_grad_enabled()  # kernels_decode.py's kernels
-            self._compressor_step(attn.compressor, h, c, "comp", slots, pos, fast)
+            self._compressor_step(attn.compressor, h, c, "comp", slots, pos, fast, comp("compressor"))
             n_vis = (pos + 1) // attn.ratio  # entries whose whole window is at or before pos
             # CUDA graphs and compiled code want fixed shapes: every cache entry, masked; eager reads up to the
             # longest sequence's
@@ -172,8 +177,9 @@ class KVCache:
             S = c["comp"].shape[1] if static else max(int(n_vis.max()), 1)
             visible = torch.arange(S, device=pos.device)[None] < n_vis[:, None]  # [B, S]
             if attn.indexer is not None:
-                self._compressor_step(attn.indexer.compressor, h, c, "idx", slots, pos, fast)
-                score = attn.indexer.scores(h, qr, c["idx"][slots, :S], cos, sin)[:, 0]  # [B, S]
+                index = attn.indexer
+                self._compressor_step(index.compressor, h, c, "idx", slots, pos, fast, comp("indexer.compressor"))
+                score = index.scores(h, qr, c["idx"][slots, :S], cos, sin, p.get("indexer.weights_proj"))[:, 0]
                 score = score.masked_fill(~visible, float("-inf"))
                 visible = visible & top_k_mask(score, attn.indexer.topk)
             mask = torch.cat([mask, visible[:, None]], dim=-1)

@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 import torch.nn.functional as F
-from kernels import (PathInvariant, grouped_experts, hc_mixes_bf16, is_stacked, linear_f32, matmul_f32, stack_experts_,
+from kernels import (PathInvariant, fuse_rows_, grouped_experts, hc_mixes_bf16, is_fused, is_stacked,
+                     linear_f32, matmul_f32, stack_experts_,
                      window_attention)
 from kernels_triton import has_triton, hc_post_triton, sinkhorn_triton
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
@@ -311,12 +312,13 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(args, 4, self.head_dim, rotate=True)
 
-    def scores(self, x, qr, k, cos, sin):
-        # x: [B, T, D], qr: [B, T, q_lora], k: [B, S, hd] -> [B, T, S] fp32
+    def scores(self, x, qr, k, cos, sin, w=None):
+        # x: [B, T, D], qr: [B, T, q_lora], k: [B, S, hd] -> [B, T, S] fp32; w: weights_proj(x) if computed already
         B, T, _ = x.shape
         q = apply_rope(self.wq_b(qr).view(B, T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
         q = index_quant_sim(q) if self.wq_b.fp8_emu else q  # k was rotated and rounded by the compressor
-        w = F.linear(x, self.weights_proj.weight).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        w = F.linear(x, self.weights_proj.weight) if w is None else w
+        w = w.float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         s = matmul_f32(q.flatten(1, 2), k.transpose(1, 2)).view(B, T, self.n_heads, -1).relu()
         if torch.compiler.is_compiling():  # inductor fuses the ReLU, product and sum into one pass over s (on an
             return (s * w[..., None]).sum(2)  # H200, bench_2b: 0.16 against 0.32 ms, bench/probe_layer.py)
@@ -356,6 +358,8 @@ def sink_attention(q, kv, mask, sink, scale):
 class Attention(nn.Module):
     """Shared-KV MQA with a low-rank query, sliding window + optional compressed keys, and an attention sink."""
     fast = False  # set by Transformer.set_kernels
+    fused = None  # decode's input projections in one tensor, the weights views of it: Transformer.fuse_projections
+    FP32 = ("compressor.wkv", "compressor.wgate", "indexer.compressor.wkv", "indexer.compressor.wgate")  # fp32 out
     def __init__(self, layer_id, args):
         super().__init__()
         self.args, self.layer_id = args, layer_id
@@ -373,17 +377,24 @@ class Attention(nn.Module):
         self.compressor = Compressor(args, self.ratio, d) if self.ratio else None
         self.indexer = Indexer(args) if self.ratio == 4 else None
 
-    def query(self, x, cos, sin):
-        # x: [B, T, D] -> q [B, T, H, d] (unweighted per-head RMSNorm, RoPE on the last rd dims), qr [B, T, q_lora]
+    def fused_names(self):
+        """The projections of the attention's input, in the order of the fused tensor (kernels.fused_projections)."""
+        comp = ["compressor.wkv", "compressor.wgate"] if self.compressor is not None else []
+        index = ["indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.weights_proj"] if self.indexer else []
+        return ["wq_a", "wkv"] + comp + index
+
+    def query(self, x, cos, sin, qa=None):
+        # x: [B, T, D] -> q [B, T, H, d] (unweighted per-head RMSNorm, RoPE on the last rd dims), qr [B, T, q_lora];
+        # qa: wq_a(x) if computed already (kernels.fused_projections), as kv in window_kv
         B, T, _ = x.shape
-        qr = self.q_norm(self.wq_a(x))
+        qr = self.q_norm(self.wq_a(x) if qa is None else qa)
         q = self.wq_b(qr).view(B, T, self.n_heads, self.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.args.rms_norm_eps).to(q.dtype)
         return apply_rope(q, cos[:, None], sin[:, None]), qr
 
-    def window_kv(self, x, cos, sin):
+    def window_kv(self, x, cos, sin, kv=None):
         # x: [B, T, D] -> [B, T, d], one head shared by all query heads, used as both key and value
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        kv = apply_rope(self.kv_norm(self.wkv(x) if kv is None else kv), cos, sin)
         return kv_quant_sim(kv, self.args.qk_rope_head_dim) if self.wkv.fp8_emu else kv  # spec §2.3 step 5
 
     def output(self, o, cos, sin):
@@ -438,9 +449,9 @@ class Gate(nn.Module):
         else:
             self.register_buffer("bias", torch.zeros(E, dtype=torch.float32))
 
-    def forward(self, x, ids):
-        # x: [N, D], ids: [N] -> weights [N, K] fp32, expert ids [N, K]
-        logits = linear_f32(x, self.weight)
+    def forward(self, x, ids, logits=None):
+        # x: [N, D], ids: [N] -> weights [N, K] fp32, expert ids [N, K]; logits: linear_f32(x, weight) if computed
+        logits = linear_f32(x, self.weight) if logits is None else logits
         f = self.args.scoring_func
         scores = logits.softmax(-1) if f == "softmax" else logits.sigmoid() if f == "sigmoid" else F.softplus(logits).sqrt()
         if self.hash:
@@ -463,8 +474,9 @@ class Expert(nn.Module):
         self.w2 = FP8Linear(inter_dim, dim, bias=False)
         self.w3 = FP8Linear(dim, inter_dim, bias=False)
 
-    def forward(self, x, weights=None):
-        g, u = self.w1(x).float(), self.w3(x).float()
+    def forward(self, x, weights=None, gu=None):  # gu: (w1(x), w3(x)) if computed already
+        g, u = (self.w1(x), self.w3(x)) if gu is None else gu
+        g, u = g.float(), u.float()
         if self.limit:
             g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
         h = F.silu(g) * u
@@ -609,6 +621,8 @@ class MoE(nn.Module):
     and the shared expert are replicated. Expert names keep their global index (experts.{e})."""
     fast = False  # set by Transformer.set_kernels: grouped GEMM experts (kernels.py)
     stacked = None  # the local experts' weights in two stacks, the parameters views of them: Transformer.stack_experts
+    fused = None  # the router's and the shared expert's input projections in one tensor: Transformer.fuse_projections
+    FP32 = ("gate",)
     def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
         self.args, self.ep_group = args, ep_group
@@ -629,6 +643,9 @@ class MoE(nn.Module):
             return grouped_experts(list(self.experts.values()), xs, ws, counts, self.args.swiglu_limit, self.stacked)
         return self.loop_experts(xs, ws, counts)
 
+    def fused_names(self):
+        return ["gate", "shared_experts.w1", "shared_experts.w3"]
+
     @torch.compiler.disable  # row counts read on the host: under compile='layers' this runs eagerly (inductor
     def loop_experts(self, xs, ws, counts):  # failed on the padded slices of such data-dependent sizes on an H200)
         """The reference path: a loop over the local experts (fp32 on a GPU, FP8 emulation, kernels off)."""
@@ -643,14 +660,16 @@ class MoE(nn.Module):
             start += c
         return torch.cat(out) if out else xs
 
-    def forward(self, x, ids):
-        # x: [B, T, D], ids: [B, T] -> [B, T, D]
+    def forward(self, x, ids, p=None):
+        # x: [B, T, D], ids: [B, T] -> [B, T, D]; p: the engine's decode's fused projections of x (fused_projections)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, idx = self.gate(x, ids.reshape(-1))
+        p = {k: v.reshape(x.shape[0], -1) for k, v in (p or {}).items()}
+        weights, idx = self.gate(x, ids.reshape(-1), p.get("gate"))
         xs, ws, counts, ctx = dispatch(x, weights, idx, self.n_local, self.ep_group, count=shape[1] == 1)
         y = combine(self.run_experts(xs, ws, counts), ctx, x.shape[0], idx.shape[1], self.ep_group)
-        return (y + self.shared_experts(x).float()).to(x.dtype).view(shape)
+        shared = self.shared_experts(x, gu=(p["shared_experts.w1"], p["shared_experts.w3"]) if p else None)
+        return (y + shared.float()).to(x.dtype).view(shape)
 
 
 # -----------------------------------------------------------------------------
@@ -861,6 +880,22 @@ class Transformer(nn.Module):
                 m.stacked, changed = stack_experts_(list(m.experts.values())), True
                 for t in m.stacked:  # to compile's CUDA graphs a fixed address, as a parameter's (not copied in)
                     torch._dynamo.mark_static_address(t, guard=False)
+        return changed
+
+    def fuse_projections(self):
+        """The engine's (with the fast kernels on, no FP8 emulation): each layer's projections that read the same
+        input (the attention's: wq_a, wkv, the compressors' and the indexer's weights_proj; the MoE's router and shared
+        expert w1, w3) in one tensor, the weights views of it (kernels.fuse_rows_), so that decode runs them as one
+        GEMM (kernels.fused_projections; on an H200, bench_2b at batch 64: 103 GEMMs a step in 0.43 ms, fused 0.13,
+        bench/probe_fused_proj.py). Re-fuses what something replaced, like stack_experts; returns whether it fused."""
+        changed = False
+        for m in (mod for block in self.layers.values() for mod in (block.attn, block.ffn)):
+            linears = [m.get_submodule(n) for n in m.fused_names()]
+            if not m.fast or any(getattr(w, "fp8_emu", False) for w in linears):  # each projection on its own
+                m.fused = None
+            elif not is_fused([w.weight for w in linears], m.fused):
+                m.fused, changed = fuse_rows_([w.weight for w in linears]), True
+                torch._dynamo.mark_static_address(m.fused, guard=False)
         return changed
 
     def set_invariant(self, on=True):

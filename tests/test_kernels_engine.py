@@ -127,3 +127,55 @@ def test_engine_stacked_experts_follow_weight_loads():
         twin = copy.deepcopy(model)
         assert not is_stacked(list(twin.layers["0"].ffn.experts.values()), twin.layers["0"].ffn.stacked)
         torch.testing.assert_close(twin(ids), model(ids), rtol=0, atol=0)
+
+
+def test_engine_fused_projections_equal_separate_and_follow_loads(monkeypatch):
+    """The engine's decode runs each layer's projections of one input as one GEMM on their weights fused into one
+    tensor (Transformer.fuse_projections, kernels.fused_projections): each projection's slice equals its own linear;
+    12 cached decode steps (a window and a CSA and HCA compressor's windows completing among them) give the logits of
+    the same steps with every projection on its own (fp32, to 1e-5 of the largest); a weight load writes through into
+    the fused tensor; a deepcopy (which breaks the views) runs the projections on their own."""
+    from dataclasses import replace
+
+    from engine import Engine
+    from kernels import fused_projections
+    import kv_cache
+    args = replace(SMALL, compress_ratios=[4, 0, 16, 4, 0])
+    model = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,
+                       args.num_experts_per_tok, seed=11).set_kernels(True)
+    engine = Engine(model, max_batch=2, max_len=64)
+    mods = [m for b in model.layers.values() for m in (b.attn, b.ffn)]
+    assert all(m.fused is not None for m in mods)
+    attn = model.layers["0"].attn
+    x = torch.randn(3, 1, args.hidden_size, generator=torch.Generator().manual_seed(12))
+    p = fused_projections(attn, x)
+    assert list(p) == attn.fused_names() and len(p) == 7  # wq_a, wkv, the compressor's 2, the indexer's 3
+    for n, v in p.items():
+        torch.testing.assert_close(v, x @ attn.get_submodule(n).weight.T, rtol=1e-5, atol=1e-6, msg=n)
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(2, args.vocab_size, (n,), generator=gen).tolist() for n in (20, 9)]
+    tokens = torch.randint(2, args.vocab_size, (12, 2), generator=gen)
+    fused, used = {m: m.fused for m in mods}, []
+    monkeypatch.setattr(kv_cache, "fused_projections",  # how many projections each of decode's calls got
+                        lambda m, h: (r := fused_projections(m, h), used.append(len(r)))[0])
+
+    def decode(on):
+        for m in mods:
+            m.fused = fused[m] if on else None
+        cache, pos = kv_cache.KVCache(model, 2, 64, "cpu"), torch.tensor([20, 9])
+        with torch.no_grad():
+            out = [cache.prefill(model, [0, 1], prompts)]
+            for t in tokens:
+                out.append(cache.decode(model, torch.arange(2), t, pos))
+                pos = pos + 1
+        return torch.stack(out)
+    off, on = decode(False), decode(True)
+    assert used == [0] * 12 * 8 + [7, 3, 2, 3, 4, 3, 7, 3] * 12  # 12 steps, each layer's attention and MoE
+    assert (on - off).abs().max() <= 1e-5 * off.abs().max(), ((on - off).abs().max(), off.abs().max())
+    new = attn.compressor.wgate.weight * 2
+    engine.load_weights({"layers.0.attn.compressor.wgate.weight": new})
+    rows = sum(attn.get_submodule(n).weight.shape[0] for n in ("wq_a", "wkv", "compressor.wkv"))
+    assert torch.equal(attn.fused[rows:rows + new.shape[0]], new)
+    torch.testing.assert_close(fused_projections(attn, x)["compressor.wgate"], 2 * p["compressor.wgate"])
+    twin = copy.deepcopy(model)
+    assert twin.layers["0"].attn.fused is not None and fused_projections(twin.layers["0"].attn, x) == {}

@@ -161,7 +161,8 @@ def test_kernels_compile_for_h200_and_mi355x():
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512; the experts' two kernels; the
-    compressor's pooling with and without overlap. In a subprocess: this process's kernels are interpreted."""
+    compressor's pooling with and without overlap; the sampler's two kernels. In a subprocess: this process's kernels
+    are interpreted."""
     code = """
 import kernels_decode as kd, kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
@@ -181,6 +182,10 @@ kernels += [(kd._compress_pool, {"OVERLAP": o, "MP": m, "BLOCK_D": kd.POOL_BLOCK
 kernels += [(fn, consts, {"D": "i32", "I": "i32", "limit": "fp32", "offs_ptr": "*i32"},
              ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "out_ptr"), 4)
             for fn, consts in ((kd._experts_up, {"CLAMP": True, **blocks}), (kd._experts_down, blocks))]
+sizes = {"V": "i32", "CHUNK": "i32", "S": "i32"}
+kernels += [(kd._sample_sums, {"BLOCK": kd.SAMPLE_BLOCK}, sizes, (), 4),
+            (kd._sample_pick, {"SP": 16, "BLOCK": kd.SAMPLE_BLOCK}, {**sizes, "greedy_ptr": "*u8", "draws_ptr": "*i64",
+             "best_ptr": "*fp64", "idx_ptr": "*i64"}, (), 4)]
 for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "gfx950", 64), "hsaco")):
     for fn, consts, scalars, bf16, warps in kernels:
         ptrs = {a: "*bf16" if a in bf16 else scalars.get(a, "*fp32") for a in fn.arg_names if a.endswith("_ptr")}
@@ -193,4 +198,4 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 18, out.stdout
+    assert out.stdout.count("compiled") == 22, out.stdout
