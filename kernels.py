@@ -10,6 +10,9 @@ Fast paths for the model's expensive pieces, each beside the plain reference it 
     as accurate as the reference's fp32 GEMM (model_dsv4.hc_mixes). Used by Block.hc_pre when the kernels are on.
   - grouped_experts: every local expert in two grouped GEMMs (torch._grouped_mm) instead of a Python loop.
     Reference: MoE.run_experts.
+  - fused_projections: in the engine's decode, a layer's projections of one input (the attention's, the router's and
+    the shared expert's) as one GEMM on their weights fused into one tensor (Transformer.fuse_projections).
+    Reference: each projection on its own, as training and prefill run them.
   - window_attention: sink attention over [window keys | compressed keys] computed per block of `window` queries,
     so the [T, T] score matrix of the reference (sink_attention with a band mask) is never formed.
   - sinkhorn_triton (kernels_triton.py, the project's Triton kernels): mHC's Sinkhorn loop as one Triton kernel
@@ -221,17 +224,17 @@ def is_fused(weights, buf):
 
 
 def fused_projections(module, x):
-    """{name: x @ weight.T} of module.FUSED's projections (Attention, MoE) in one GEMM on module.fused, fp32, rounded
+    """{name: x @ weight.T} of module.fused_names() (Attention, MoE) in one GEMM on module.fused, fp32, rounded
     to x's dtype where the module's own projection rounds its output (not those in module.FP32). {} when the module
     has no fused weights, or its weights are no longer their views (a deepcopy): then each projection runs on its own,
     as in training and prefill. Only the engine's decode calls this (kv_cache.py)."""
-    names = module.fused_names()
+    names, linears = module.fused_names(), module.fused_linears
     # under torch.compile the caller vouches for the views (the engine runs Transformer.fuse_projections each step)
     if module.fused is None or not module.fast or not (torch.compiler.is_compiling() or is_fused(
-            [module.get_submodule(n).weight for n in names], module.fused)):
+            [w.weight for w in linears], module.fused)):
         return {}
     outs = mm_f32(x.reshape(-1, x.shape[-1]), module.fused.t()).view(*x.shape[:-1], -1)
-    outs = outs.split([module.get_submodule(n).weight.shape[0] for n in names], dim=-1)
+    outs = outs.split([w.weight.shape[0] for w in linears], dim=-1)
     return {n: o if n in module.FP32 else o.to(x.dtype) for n, o in zip(names, outs)}
 
 

@@ -5,6 +5,8 @@ two agree, forward and backward, and compiles every Triton kernel of the project
   - sinkhorn_triton: mHC's Sinkhorn loop (model_dsv4.sinkhorn) as one kernel forward and one backward.
   - hc_post_triton: mHC's write-back of a sublayer into the n streams (model_dsv4.Block.hc_post) as one kernel
     forward and one for the backward's reductions.
+  - hc_pre_triton: mHC's pre-mix (model_dsv4.Block.hc_pre: the norm, the mixes, the Sinkhorn, the streams' weighted
+    sum) as one kernel a token, for the few tokens of a decode step (no backward).
 
 The engine's decode-step kernels are in kernels_decode.py, which takes this module's shared pieces (the interpreter
 switch, _dot, has_triton).
@@ -250,3 +252,77 @@ def _hc_post_backward(ctx, dy):
 
 
 hc_post_triton.register_autograd(_hc_post_backward, setup_context=_hc_post_setup)
+
+
+# ----------------------------------------------------------------------------- mHC's pre-mix for a few tokens (decode)
+# Block.hc_pre collapses a token's n streams into the sublayer's input: an RMSNorm over all n * D values, the 24 mixes
+# (fn's rows, an fp32 GEMM), pre / post / comb from them (sigmoids, a softmax, the Sinkhorn loop), and the pre-weighted
+# sum of the streams. In a decode step at batch 64 that was ~9 kernels of 1-5 us each (the GEMM with its split-K
+# reduction, the norm's reductions, the Sinkhorn and its set-up, the sum), 24 times a bench_2b step (session 25's
+# trace). Here a program takes one token through all of it: fn (590 KB for bench_2b) is read from L2 by every program,
+# so this is for the few tokens of a decode step (HC_PRE_TOKENS), not for long prefills or training.
+
+HC_PRE_TOKENS = 256  # Block.hc_pre takes the kernel without grad for inputs of at most this many tokens
+
+
+@_jit
+def _hc_pre(x_ptr, fn_ptr, scale_ptr, base_ptr, mix_ptr, h_ptr, post_ptr, comb_ptr, D, norm_eps, hc_eps,
+            N: tl.constexpr, NP: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, STEPS: tl.constexpr,
+            BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token program_id(0): x [N, D] -> the mixes (to mix_ptr, read back in the shapes below), h [D], post [N],
+    comb [N, N]; the same steps as model_dsv4.hc_mixes, hc_split_sinkhorn and Block.hc_pre's sum."""
+    t = tl.program_id(0).to(tl.int64)
+    K = N * D
+    r = tl.arange(0, RP)
+    acc, ss = tl.zeros([RP, BLOCK_K], dtype=tl.float32), tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # fn @ x and x's sum of squares, fp32
+        k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0).to(tl.float32)
+        acc += tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=(r < R)[:, None] & (k < K)[None, :],
+                       other=0.0) * xv[None, :]
+        ss += xv * xv
+    mix = tl.sum(acc, 1) * tl.rsqrt(tl.sum(ss, 0) / K + norm_eps)
+    tl.store(mix_ptr + t * R + r, mix, mask=r < R)
+    tl.debug_barrier()  # the mixes, stored by some threads, are read back by others
+    i = tl.arange(0, NP)
+    im, cm = i < N, (i[:, None] < N) & (i[None, :] < N)
+    mix_ptr += t * R
+    pre = tl.sigmoid(tl.load(mix_ptr + i, mask=im, other=0.0) * tl.load(scale_ptr)
+                     + tl.load(base_ptr + i, mask=im, other=0.0)) + hc_eps
+    post = 2 * tl.sigmoid(tl.load(mix_ptr + N + i, mask=im, other=0.0) * tl.load(scale_ptr + 1)
+                          + tl.load(base_ptr + N + i, mask=im, other=0.0))
+    tl.store(post_ptr + t * N + i, post, mask=im)
+    at = 2 * N + i[:, None] * N + i[None, :]  # comb's logits, a softmax over each row (padding: -inf, then 0)
+    c = tl.where(cm, tl.load(mix_ptr + at, mask=cm, other=0.0) * tl.load(scale_ptr + 2)
+                 + tl.load(base_ptr + at, mask=cm, other=0.0), float("-inf"))
+    e = tl.where(cm, tl.exp(c - tl.where(im, tl.max(c, 1), 0.0)[:, None]), 0.0)
+    c = tl.where(cm, e / tl.where(im, tl.sum(e, 1), 1.0)[:, None] + hc_eps, 0.0)[None, :, :]
+    for s in tl.static_range(STEPS):  # Sinkhorn, as _sinkhorn_fwd: a tile of one token
+        c = c / (_sums(c, s) + hc_eps)
+    tl.store(comb_ptr + t * N * N + (i[:, None] * N + i[None, :])[None, :, :], c, mask=cm[None, :, :])
+    for d0 in range(0, D, BLOCK_D):  # the sublayer's input: the streams weighted by pre, summed in fp32
+        d = d0 + tl.arange(0, BLOCK_D)
+        xv = tl.load(x_ptr + t * K + i[:, None] * D + d[None, :], mask=im[:, None] & (d < D)[None, :], other=0.0)
+        tl.store(h_ptr + t * D + d, tl.sum(pre[:, None] * xv.to(tl.float32), 0).to(h_ptr.dtype.element_ty),
+                 mask=d < D)
+
+
+@torch.library.custom_op("nano_dsv4::hc_pre", mutates_args=())
+def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
+                  hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block.hc_pre without grad: x [..., n, D] -> the sublayer's input [..., D] (x's dtype), post [..., n] and
+    comb [..., n, n] (fp32); fn [(2+n)*n, n*D], scale [3], base [(2+n)*n] fp32."""
+    *lead, n, D = x.shape
+    xf = x.reshape(-1, n * D).contiguous()
+    T, R = xf.shape[0], fn.shape[0]
+    mix, post, comb = (xf.new_empty(T, *s, dtype=torch.float32) for s in ((R,), (n,), (n, n)))
+    h = x.new_empty(T, D)
+    _hc_pre[(T,)](xf, fn.contiguous(), scale.contiguous(), base.contiguous(), mix, h, post, comb, D, norm_eps, hc_eps,
+                  N=n, NP=triton.next_power_of_2(n), R=R, RP=triton.next_power_of_2(R), STEPS=2 * iters - 1,
+                  BLOCK_K=128, BLOCK_D=512, num_warps=4)
+    return h.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
+
+
+hc_pre_triton.register_fake(lambda x, fn, scale, base, iters, hc_eps, norm_eps: (
+    x.new_empty(*x.shape[:-2], x.shape[-1]), x.new_empty(x.shape[:-1], dtype=torch.float32),
+    x.new_empty(*x.shape[:-1], x.shape[-2], dtype=torch.float32)))

@@ -16,7 +16,7 @@ import json
 import math
 import zlib
 from dataclasses import dataclass, field, fields, asdict
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 import torch.nn as nn
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kernels import (PathInvariant, fuse_rows_, grouped_experts, hc_mixes_bf16, is_fused, is_stacked,
                      linear_f32, matmul_f32, stack_experts_,
                      window_attention)
-from kernels_triton import has_triton, hc_post_triton, sinkhorn_triton
+from kernels_triton import HC_PRE_TOKENS, has_triton, hc_post_triton, hc_pre_triton, sinkhorn_triton
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
 # -----------------------------------------------------------------------------
@@ -383,6 +383,12 @@ class Attention(nn.Module):
         index = ["indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.weights_proj"] if self.indexer else []
         return ["wq_a", "wkv"] + comp + index
 
+    @cached_property
+    def fused_linears(self):
+        """The modules of fused_names(), looked up once (the module tree is fixed; Transformer.fuse_projections checks
+        them before every decode step)."""
+        return [self.get_submodule(n) for n in self.fused_names()]
+
     def query(self, x, cos, sin, qa=None):
         # x: [B, T, D] -> q [B, T, H, d] (unweighted per-head RMSNorm, RoPE on the last rd dims), qr [B, T, q_lora];
         # qa: wq_a(x) if computed already (kernels.fused_projections), as kv in window_kv
@@ -646,6 +652,8 @@ class MoE(nn.Module):
     def fused_names(self):
         return ["gate", "shared_experts.w1", "shared_experts.w3"]
 
+    fused_linears = Attention.fused_linears  # the same lookup, of this module's names
+
     @torch.compiler.disable  # row counts read on the host: under compile='layers' this runs eagerly (inductor
     def loop_experts(self, xs, ws, counts):  # failed on the padded slices of such data-dependent sizes on an H200)
         """The reference path: a loop over the local experts (fp32 on a GPU, FP8 emulation, kernels off)."""
@@ -755,7 +763,10 @@ class Block(nn.Module):
 
     def hc_pre(self, x, fn, scale, base):
         # x: [B, T, n, D] -> input [B, T, D], post [B, T, n], comb [B, T, n, n]
-        a, xf = self.args, x.float()  # xf before the mixes' GEMM, as in kernels._HcMixes.forward
+        a = self.args
+        if self.fast and has_triton(x) and not torch.is_grad_enabled() and x.shape[1] * x.shape[0] <= HC_PRE_TOKENS:
+            return hc_pre_triton(x, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)  # decode
+        xf = x.float()  # before the mixes' GEMM, as in kernels._HcMixes.forward
         pre, post, comb = hc_split_sinkhorn(hc_mixes(x, fn, a.rms_norm_eps, self.fast), scale, base, a.hc_mult,
                                             a.hc_sinkhorn_iters, a.hc_eps, self.fast)
         return (pre.unsqueeze(-1) * xf).sum(dim=2).to(x.dtype), post, comb
@@ -890,7 +901,7 @@ class Transformer(nn.Module):
         bench/probe_fused_proj.py). Re-fuses what something replaced, like stack_experts; returns whether it fused."""
         changed = False
         for m in (mod for block in self.layers.values() for mod in (block.attn, block.ffn)):
-            linears = [m.get_submodule(n) for n in m.fused_names()]
+            linears = m.fused_linears
             if not m.fast or any(getattr(w, "fp8_emu", False) for w in linears):  # each projection on its own
                 m.fused = None
             elif not is_fused([w.weight for w in linears], m.fused):

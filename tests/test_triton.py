@@ -1,7 +1,9 @@
 """kernels_triton.py's kernels against the code they replace: sinkhorn_triton (mHC's Sinkhorn loop as one Triton kernel
 forward and one backward) against model_dsv4.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
-model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile, and in the whole model; and every Triton
-kernel of the project (kernels_decode.py's too, whose tests are test_decode_kernels.py) compiled for sm_90 and gfx950.
+model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile, and in the whole model;
+hc_pre_triton (mHC's pre-mix for decode) against Block.hc_pre's reference, alone and in a model's forward without
+grad; and every Triton kernel of the project (kernels_decode.py's too, whose tests are test_decode_kernels.py)
+compiled for sm_90 and gfx950.
 Without a GPU, kernels_triton.py runs Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
 import copy
 import os
@@ -13,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels_triton import hc_post_triton, sinkhorn_triton  # before triton: without a GPU it turns on the interpreter
+from kernels_triton import (hc_post_triton, hc_pre_triton,  # before triton: without a GPU it turns on the
+                            sinkhorn_triton)                 # interpreter
 import model_dsv4
 import parallel
 from conftest import SMALL, TINY, randomize_
@@ -155,14 +158,59 @@ def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
         assert (a - b).abs().max() <= 5e-5 * b.abs().max() + 1e-6 * top, n
 
 
+@pytest.mark.parametrize("n,D,dtype", [(4, 40, torch.float32), (3, 24, torch.float32), (4, 64, torch.bfloat16)])
+def test_hc_pre_triton_equals_reference(n, D, dtype):
+    """mHC's pre-mix for 7 tokens of one position: the sublayer's input, post and comb against Block.hc_pre's reference
+    path (hc_mixes' fp32 GEMM, hc_split_sinkhorn's loop, the weighted sum), fn, scale and base random. D 40 and n 3
+    leave the kernel's blocks and n x n tile partly masked. fp32: to 1e-5 of the largest value; bf16: the input
+    one rounding apart (the same fp32 sum, rounded once)."""
+    g = torch.Generator().manual_seed(D)
+    args = replace(TINY, hc_mult=n, hidden_size=D)
+    block = Block(0, args).to(DEV)
+    R = (2 + n) * n
+    fn = (torch.randn(R, n * D, generator=g) / (n * D) ** 0.5).to(DEV)
+    scale, base = (torch.rand(3, generator=g) + 0.5).to(DEV), (torch.randn(R, generator=g) * 0.5).to(DEV)
+    x = torch.randn(7, 1, n, D, generator=g).to(DEV, dtype)
+    with torch.no_grad():
+        got = hc_pre_triton(x, fn, scale, base, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps)
+        ref = block.hc_pre(x, fn, scale, base)  # fast off: the reference
+    tol = (1e-5, 1e-5, 1e-5) if dtype == torch.float32 else (2 ** -8, 1e-5, 1e-5)
+    for a, b, t, name in zip(got, ref, tol, ("input", "post", "comb")):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert (a.float() - b.float()).abs().max() <= t * b.float().abs().max(), (name, (a - b).abs().max())
+
+
+def test_model_without_grad_on_hc_pre_triton_equals_reference(monkeypatch):
+    """A decode-shaped forward without grad (one position, few tokens) takes hc_pre_triton for every sublayer: TINY's
+    layers on 5 sequences of one token, fp32, against the same model's reference hc_pre, to 1e-5 of the largest
+    logit; longer inputs (prefill) do not take it."""
+    calls = []
+    monkeypatch.setattr(model_dsv4, "has_triton", lambda t: True)
+    monkeypatch.setattr(model_dsv4, "hc_pre_triton", lambda *a: calls.append(1) or hc_pre_triton(*a))
+    model = randomize_(Transformer(copy.deepcopy(TINY), dtype=torch.float32), TINY.n_routed_experts,
+                       TINY.num_experts_per_tok, seed=4).to(DEV)
+    for m in model.modules():  # only the blocks' fast flag: the rest stays on the reference
+        if isinstance(m, Block):
+            m.fast = True
+    ids = torch.randint(0, TINY.vocab_size, (5, 1), generator=torch.Generator().manual_seed(5)).to(DEV)
+    with torch.no_grad():
+        fast = model(ids)
+        assert len(calls) == 2 * TINY.num_hidden_layers
+        model(ids.repeat(1, 60)[:, :60])  # 300 tokens: over HC_PRE_TOKENS
+        assert len(calls) == 2 * TINY.num_hidden_layers
+        monkeypatch.setattr(model_dsv4, "has_triton", lambda t: False)
+        ref = model(ids)
+    assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max(), ((fast - ref).abs().max(), ref.abs().max())
+
+
 def test_kernels_compile_for_h200_and_mi355x():
     """Triton's interpreter runs code that its compiler refuses (session 14's first kernel passed the tests above on
     the CPU and failed to compile on the GPU: an `if` whose branches gave two shapes). So every kernel is also
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512; the experts' two kernels; the
-    compressor's pooling with and without overlap; the sampler's two kernels. In a subprocess: this process's kernels
-    are interpreted."""
+    compressor's pooling with and without overlap; the sampler's two kernels; hc_pre at bench_2b's sizes. In a
+    subprocess: this process's kernels are interpreted."""
     code = """
 import kernels_decode as kd, kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
@@ -182,6 +230,8 @@ kernels += [(kd._compress_pool, {"OVERLAP": o, "MP": m, "BLOCK_D": kd.POOL_BLOCK
 kernels += [(fn, consts, {"D": "i32", "I": "i32", "limit": "fp32", "offs_ptr": "*i32"},
              ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "out_ptr"), 4)
             for fn, consts in ((kd._experts_up, {"CLAMP": True, **blocks}), (kd._experts_down, blocks))]
+kernels += [(kt._hc_pre, {"N": 4, "NP": 4, "R": 24, "RP": 32, "STEPS": 39, "BLOCK_K": 128, "BLOCK_D": 512},
+             {"D": "i32", "norm_eps": "fp32", "hc_eps": "fp32"}, ("x_ptr", "h_ptr"), 4)]
 sizes = {"V": "i32", "CHUNK": "i32", "S": "i32"}
 kernels += [(kd._sample_sums, {"BLOCK": kd.SAMPLE_BLOCK}, sizes, (), 4),
             (kd._sample_pick, {"SP": 16, "BLOCK": kd.SAMPLE_BLOCK}, {**sizes, "greedy_ptr": "*u8", "draws_ptr": "*i64",
@@ -198,4 +248,4 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 22, out.stdout
+    assert out.stdout.count("compiled") == 24, out.stdout
