@@ -1,0 +1,41 @@
+"""mHC's pre-mix for a decode step (Block.hc_pre on [B, 1, n, D]) as kernels_triton.hc_pre_triton, one Triton kernel a
+token, against the path it replaces in the same run: the model's fast path (the mixes on bf16 tensor cores with fn in
+three parts, Sinkhorn in Triton, the weighted sum) compiled as compile='layers' compiles it, bench_2b's sizes (n 4,
+D 1536, 20 Sinkhorn iterations), bf16, at 64 and 256 tokens, each as CUDA-graph replays (the device's time). Written in
+session 25, not yet run: call 2's trace had ~9 kernels for each of a decode step's 24 pre-mixes.
+python bench/probe_hc_pre.py   (a GPU)"""
+import copy
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kernels_triton import hc_pre_triton  # noqa: E402  (first: without a GPU it turns on Triton's interpreter)
+import model_dsv4  # noqa: E402
+from model_dsv4 import Block, ModelArgs  # noqa: E402
+from probe_timing import graph_us  # noqa: E402
+
+if not torch.cuda.is_available():  # the kernel against the reference: tests/test_triton.py -k hc_pre
+    sys.exit("a timing probe for a GPU; the kernel's check on a CPU: pytest tests/test_triton.py -k hc_pre")
+args = ModelArgs.from_json(os.path.join(os.path.dirname(__file__), "..", "config", "models", "bench_2b.json"))
+n, D, R = args.hc_mult, args.hidden_size, (2 + args.hc_mult) * args.hc_mult
+g = torch.Generator().manual_seed(0)
+block = Block(0, copy.deepcopy(args)).cuda()
+block.fast = True
+fn = (torch.randn(R, n * D, generator=g) / (n * D) ** 0.5).cuda()
+scale, base = torch.ones(3, device="cuda"), (torch.randn(R, generator=g) * 0.5).cuda()
+reference = torch.compile(lambda x: Block.hc_pre(block, x, fn, scale, base))  # the kernel off: HC_PRE_TOKENS below
+print(f"hc_pre, {torch.cuda.get_device_name()}, torch {torch.__version__}, bench_2b sizes", flush=True)
+with torch.no_grad():
+    for B in (64, 256):
+        x = torch.randn(B, 1, n, D, generator=g).cuda().bfloat16()
+        ours = lambda: hc_pre_triton(x, fn, scale, base, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps)
+        limit, model_dsv4.HC_PRE_TOKENS = model_dsv4.HC_PRE_TOKENS, 0  # the reference path, for the compile too
+        ref = reference(x)
+        t_ref = graph_us(lambda: reference(x))
+        model_dsv4.HC_PRE_TOKENS = limit
+        got = ours()
+        err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(got, ref))
+        print(f"  {B} tokens: compiled reference {t_ref:.1f} us, Triton {graph_us(ours):.1f} us; "
+              f"max |Δ| / max |ref| over input, post, comb {err:.1e}", flush=True)
