@@ -902,7 +902,8 @@ class Transformer(nn.Module):
         changed = False
         for m in (mod for block in self.layers.values() for mod in (block.attn, block.ffn)):
             linears = m.fused_linears
-            if not m.fast or any(getattr(w, "fp8_emu", False) for w in linears):  # each projection on its own
+            if not m.fast or any(getattr(w, "fp8_emu", False) or w.weight.dtype != linears[0].weight.dtype
+                                 for w in linears):  # each projection on its own (one dtype: no silent upcast)
                 m.fused = None
             elif not is_fused([w.weight for w in linears], m.fused):
                 m.fused, changed = fuse_rows_([w.weight for w in linears]), True

@@ -179,3 +179,6 @@ def test_engine_fused_projections_equal_separate_and_follow_loads(monkeypatch):
     torch.testing.assert_close(fused_projections(attn, x)["compressor.wgate"], 2 * p["compressor.wgate"])
     twin = copy.deepcopy(model)
     assert twin.layers["0"].attn.fused is not None and fused_projections(twin.layers["0"].attn, x) == {}
+    attn.wkv.weight.data = attn.wkv.weight.data.double()  # one dtype per fused tensor, or none: no silent upcast
+    model.fuse_projections()
+    assert attn.fused is None and fused_projections(attn, x) == {} and model.layers["1"].attn.fused is not None
