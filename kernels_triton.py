@@ -19,6 +19,7 @@ import os
 
 import torch
 
+_SET_HERE = not torch.accelerator.is_available() and "TRITON_INTERPRET" not in os.environ
 if not torch.accelerator.is_available():  # no GPU (the tests on a CPU): Triton's interpreter runs its kernels on CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")  # tensors in numpy. Each @triton.jit reads this when it runs,
     # triton.language's own at its import: so this module is imported before triton (model_dsv4 does)
@@ -27,11 +28,18 @@ try:
     import triton.language as tl
 except ImportError:  # torch's CPU build comes without Triton: model_dsv4.sinkhorn's loop runs instead
     triton = tl = None
+if _SET_HERE and triton is not None and hasattr(triton, "knobs"):
+    # the switch held by Triton's own setting from here, the variable dropped, so that child processes (the embedded
+    # server, torchrun's ranks, the tests' subprocesses) start as a user starts them: inherited from the start,
+    # it had `python model_dsv4.py` crash in torch's custom-op call ("vector::reserve"; bench/RESULTS.md session 25)
+    triton.knobs.runtime.interpret = True
+    os.environ.pop("TRITON_INTERPRET", None)
 
 
 # ----------------------------------------------------------------------------- shared by the kernels
 _jit = triton.jit if triton else (lambda fn: fn)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret if hasattr(triton, "knobs")
+                                          else os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def has_triton(t):

@@ -15,9 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
                                          ("engine.py", "engine logprobs vs full forward"),
                                          ("rollout.py", "self-check passed")])
 def test_self_check_passes(script, last):
-    # as a user runs it: without the TRITON_INTERPRET=1 that kernels_triton set in this process (inherited, it had
-    # model_dsv4.py fail in torch's custom-op call with "ValueError: vector::reserve", a crash that comes and goes
-    # with the garbage collector's timing: session 25, bench/RESULTS.md)
+    # as a user runs it: without a TRITON_INTERPRET=1 set before the start (inherited, it had model_dsv4.py fail in
+    # torch's custom-op call with "ValueError: vector::reserve", a crash that comes and goes with the garbage
+    # collector's timing; kernels_triton no longer leaves it to child processes: session 25, bench/RESULTS.md)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
