@@ -6,7 +6,8 @@ two agree, forward and backward, and compiles every Triton kernel of the project
   - hc_post_triton: mHC's write-back of a sublayer into the n streams (model_dsv4.Block.hc_post) as one kernel
     forward and one for the backward's reductions.
   - hc_pre_triton: mHC's pre-mix (model_dsv4.Block.hc_pre: the norm, the mixes, the Sinkhorn, the streams' weighted
-    sum) as one kernel a token, for the few tokens of a decode step (no backward).
+    sum) as two kernels (a split GEMM for the mixes, then the rest a token), for the few tokens of a decode step
+    (no backward).
 
 The engine's decode-step kernels are in kernels_decode.py, which takes this module's shared pieces (the interpreter
 switch, _dot, has_triton).
@@ -267,34 +268,52 @@ hc_post_triton.register_autograd(_hc_post_backward, setup_context=_hc_post_setup
 # (fn's rows, an fp32 GEMM), pre / post / comb from them (sigmoids, a softmax, the Sinkhorn loop), and the pre-weighted
 # sum of the streams. In a decode step at batch 64 that was ~9 kernels of 1-5 us each (the GEMM with its split-K
 # reduction, the norm's reductions, the Sinkhorn and its set-up, the sum), 24 times a bench_2b step (session 25's
-# trace). Here a program takes one token through all of it: fn (590 KB for bench_2b) is read from L2 by every program,
-# so this is for the few tokens of a decode step (HC_PRE_TOKENS), not for long prefills or training.
+# trace). Here it is two kernels. The first splits the GEMM over K = n * D: a program takes 16 tokens and 128 of K,
+# one fp32 tile product and the tokens' partial sums of squares, so a step has (tokens / 16) x (K / 128) programs
+# and reads fn about tokens / 16 times. (Session 25's first version gave each token one program that walked all of K:
+# 64 programs, each a chain of 48 dependent loads, took 41-76 us a call where the compiled path takes 18; session 26.)
+# The second takes one token: it adds its partials in a fixed order (a token's sums do not depend on the batch), then
+# the norm, the Sinkhorn in registers and the weighted sum. For the few tokens of a decode step (HC_PRE_TOKENS).
 
-HC_PRE_TOKENS = 256  # Block.hc_pre takes the kernel without grad for inputs of at most this many tokens
+HC_PRE_TOKENS = 256  # Block.hc_pre takes the kernels without grad for inputs of at most this many tokens
+HC_BT, HC_BK = 16, 128  # the GEMM's tile: tokens x K
 
 
 @_jit
-def _hc_pre(x_ptr, fn_ptr, scale_ptr, base_ptr, mix_ptr, h_ptr, post_ptr, comb_ptr, D, norm_eps, hc_eps,
-            N: tl.constexpr, NP: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, STEPS: tl.constexpr,
-            BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Token program_id(0): x [N, D] -> the mixes (to mix_ptr, read back in the shapes below), h [D], post [N],
+def _hc_mix_parts(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr):
+    """Tokens block program_id(0), K block s = program_id(1): part[s, t, :R] = x[t, k] @ fn[:, k].T and
+    ss[s, t] = sum of x[t, k]^2 over the block's k, fp32."""
+    s = tl.program_id(1)
+    t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    k, r = s * BK + tl.arange(0, BK), tl.arange(0, RP)
+    xv = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=(t < T)[:, None] & (k < K)[None, :], other=0.0)
+    xv = xv.to(tl.float32)
+    fv = tl.load(fn_ptr + r[None, :] * K + k[:, None], mask=(r < R)[None, :] & (k < K)[:, None], other=0.0)
+    tl.store(part_ptr + (s * T + t[:, None]) * RP + r[None, :], tl.dot(xv, fv, input_precision="ieee"),
+             mask=(t < T)[:, None])
+    tl.store(ss_ptr + s * T + t, tl.sum(xv * xv, 1), mask=t < T)
+
+
+@_jit
+def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, mix_ptr, h_ptr, post_ptr, comb_ptr, T, S, D, norm_eps,
+            hc_eps, N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, STEPS: tl.constexpr, SB: tl.constexpr,
+            BLOCK_D: tl.constexpr):
+    """Token program_id(0): its S partials -> the mixes (to mix_ptr, read back in the shapes below), h [D], post [N],
     comb [N, N]; the same steps as model_dsv4.hc_mixes, hc_split_sinkhorn and Block.hc_pre's sum."""
     t = tl.program_id(0).to(tl.int64)
-    K = N * D
     r = tl.arange(0, RP)
-    acc, ss = tl.zeros([RP, BLOCK_K], dtype=tl.float32), tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # fn @ x and x's sum of squares, fp32
-        k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0).to(tl.float32)
-        acc += tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=(r < R)[:, None] & (k < K)[None, :],
-                       other=0.0) * xv[None, :]
-        ss += xv * xv
-    mix = tl.sum(acc, 1) * tl.rsqrt(tl.sum(ss, 0) / K + norm_eps)
-    tl.store(mix_ptr + t * R + r, mix, mask=r < R)
+    acc, ss = tl.zeros([SB, RP], dtype=tl.float32), tl.zeros([SB], dtype=tl.float32)
+    for s0 in range(0, S, SB):  # the partials of the split GEMM, in the same order for every token
+        s = s0 + tl.arange(0, SB)
+        acc += tl.load(part_ptr + (s[:, None] * T + t) * RP + r[None, :], mask=(s < S)[:, None], other=0.0)
+        ss += tl.load(ss_ptr + s * T + t, mask=s < S, other=0.0)
+    mix = tl.sum(acc, 0) * tl.rsqrt(tl.sum(ss, 0) / (N * D) + norm_eps)
+    tl.store(mix_ptr + t * RP + r, mix)
     tl.debug_barrier()  # the mixes, stored by some threads, are read back by others
     i = tl.arange(0, NP)
     im, cm = i < N, (i[:, None] < N) & (i[None, :] < N)
-    mix_ptr += t * R
+    mix_ptr += t * RP
     pre = tl.sigmoid(tl.load(mix_ptr + i, mask=im, other=0.0) * tl.load(scale_ptr)
                      + tl.load(base_ptr + i, mask=im, other=0.0)) + hc_eps
     post = 2 * tl.sigmoid(tl.load(mix_ptr + N + i, mask=im, other=0.0) * tl.load(scale_ptr + 1)
@@ -308,6 +327,7 @@ def _hc_pre(x_ptr, fn_ptr, scale_ptr, base_ptr, mix_ptr, h_ptr, post_ptr, comb_p
     for s in tl.static_range(STEPS):  # Sinkhorn, as _sinkhorn_fwd: a tile of one token
         c = c / (_sums(c, s) + hc_eps)
     tl.store(comb_ptr + t * N * N + (i[:, None] * N + i[None, :])[None, :, :], c, mask=cm[None, :, :])
+    K = N * D
     for d0 in range(0, D, BLOCK_D):  # the sublayer's input: the streams weighted by pre, summed in fp32
         d = d0 + tl.arange(0, BLOCK_D)
         xv = tl.load(x_ptr + t * K + i[:, None] * D + d[None, :], mask=im[:, None] & (d < D)[None, :], other=0.0)
@@ -322,12 +342,15 @@ def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     comb [..., n, n] (fp32); fn [(2+n)*n, n*D], scale [3], base [(2+n)*n] fp32."""
     *lead, n, D = x.shape
     xf = x.reshape(-1, n * D).contiguous()
-    T, R = xf.shape[0], fn.shape[0]
-    mix, post, comb = (xf.new_empty(T, *s, dtype=torch.float32) for s in ((R,), (n,), (n, n)))
+    (T, K), R = xf.shape, fn.shape[0]
+    RP, S = max(16, triton.next_power_of_2(R)), triton.cdiv(K, HC_BK)  # tl.dot's tiles are 16 wide at least
+    part, ss = xf.new_empty(S, T, RP, dtype=torch.float32), xf.new_empty(S, T, dtype=torch.float32)
+    _hc_mix_parts[(triton.cdiv(T, HC_BT), S)](xf, fn.contiguous(), part, ss, T, K, R=R, RP=RP, BT=HC_BT, BK=HC_BK,
+                                             num_warps=4)
+    mix, post, comb = (xf.new_empty(T, *s, dtype=torch.float32) for s in ((RP,), (n,), (n, n)))
     h = x.new_empty(T, D)
-    _hc_pre[(T,)](xf, fn.contiguous(), scale.contiguous(), base.contiguous(), mix, h, post, comb, D, norm_eps, hc_eps,
-                  N=n, NP=triton.next_power_of_2(n), R=R, RP=triton.next_power_of_2(R), STEPS=2 * iters - 1,
-                  BLOCK_K=128, BLOCK_D=512, num_warps=4)
+    _hc_pre[(T,)](xf, part, ss, scale.contiguous(), base.contiguous(), mix, h, post, comb, T, S, D, norm_eps, hc_eps,
+                  N=n, NP=triton.next_power_of_2(n), RP=RP, STEPS=2 * iters - 1, SB=16, BLOCK_D=512, num_warps=4)
     return h.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 

@@ -26,6 +26,7 @@ from kernels import (PathInvariant, fuse_rows_, grouped_experts, hc_mixes_bf16, 
                      linear_f32, matmul_f32, stack_experts_,
                      window_attention)
 from kernels_triton import HC_PRE_TOKENS, has_triton, hc_post_triton, hc_pre_triton, sinkhorn_triton
+from kernels_decode import pair_order_triton, route_triton
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
 # -----------------------------------------------------------------------------
@@ -455,10 +456,13 @@ class Gate(nn.Module):
         else:
             self.register_buffer("bias", torch.zeros(E, dtype=torch.float32))
 
-    def forward(self, x, ids, logits=None):
+    def forward(self, x, ids, logits=None, fast=False):
         # x: [N, D], ids: [N] -> weights [N, K] fp32, expert ids [N, K]; logits: linear_f32(x, weight) if computed
         logits = linear_f32(x, self.weight) if logits is None else logits
-        f = self.args.scoring_func
+        f, a = self.args.scoring_func, self.args
+        if fast and has_triton(logits) and not torch.is_grad_enabled():  # without grad on a GPU: one Triton kernel
+            return route_triton(logits, self.tid2eid if self.hash else self.bias, ids, a.num_experts_per_tok, f,
+                                self.hash, a.norm_topk_prob, a.routed_scaling_factor)
         scores = logits.softmax(-1) if f == "softmax" else logits.sigmoid() if f == "sigmoid" else F.softplus(logits).sqrt()
         if self.hash:
             idx = self.tid2eid[ids]
@@ -522,15 +526,13 @@ def all_to_all(x, out_splits, in_splits, group):
     return AllToAll.apply(x, out_splits, in_splits, group) if group_size(group) > 1 else x
 
 
-def dispatch(x, weights, idx, n_local, group, count=False):
+def dispatch(x, weights, idx, n_local, group, count=False, fast=False):
     """Send every (token, expert) pair to the rank holding the expert; experts are sharded in contiguous
     blocks of n_local over the EP group. x: [N, D], weights/idx: [N, K] ->
     rows xs [R, D] and weights ws [R] grouped by local expert, counts per local expert, and what combine needs."""
     ep = group_size(group)
     flat = idx.flatten()
-    order, inv = expert_order(flat, n_local * ep, count)  # pairs sorted by expert, hence by destination rank
-    # [E] pairs per expert; scatter_add, not bincount, which reads the max id back to the host
-    send = torch.zeros(n_local * ep, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    order, inv, send = expert_order(flat, n_local * ep, count, fast)  # pairs sorted by expert, hence by rank
     xs = Picks.apply(x, order, inv, idx.shape[1])  # [N * K, D]: row r is token order[r] // K
     if ep == 1:  # nothing to exchange: the counts stay on the device (no host sync)
         return xs, weights.flatten()[order], send, (order, inv, None, None, None)
@@ -568,20 +570,24 @@ def inverse_permutation(order):
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
-def expert_order(flat, n_experts, count=False):
+def expert_order(flat, n_experts, count=False, fast=False):
     """(order, inv) of the pairs' expert ids flat [P] sorted stably: a radix sort on the narrowest key that holds an
     id (a GPU's takes one pass per byte of key: 8 for int64, ~50 us for bench_2b's 24576 pairs in 12 layers on an
     H200). count (a decode step's few hundred pairs): pair p's row is the number of pairs of lower experts plus its
     own expert's pairs before it, from an [E, P] table (torch.compile sorted bench_2b's 384 in one 14 us kernel a
-    layer on an H200, session 23). Both give the same order."""
+    layer on an H200, session 23; fast, without grad on a GPU: kernels_decode.pair_order_triton). All give the same
+    order.
+    Also the pairs per expert [n_experts] (scatter_add, not bincount, which reads the max id back to the host)."""
+    if count and fast and has_triton(flat) and not torch.is_grad_enabled():
+        return pair_order_triton(flat, n_experts)
+    per = torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     if not count:
         order = flat.to(torch.uint8 if n_experts <= 256 else torch.int32).argsort(stable=True)
-        return order, inverse_permutation(order)
+        return order, inverse_permutation(order), per
     hit = (flat[None, :] == torch.arange(n_experts, device=flat.device)[:, None]).long()  # [E, P]
-    per = hit.sum(1)
     before = per.cumsum(0) - per  # pairs of lower experts
     inv = before[flat] + (hit.cumsum(1) - hit).gather(0, flat[None, :])[0]
-    return inverse_permutation(inv), inv
+    return inverse_permutation(inv), inv, per
 
 
 def spread_rows(x, order, k):
@@ -673,8 +679,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         p = {k: v.reshape(x.shape[0], -1) for k, v in (p or {}).items()}
-        weights, idx = self.gate(x, ids.reshape(-1), p.get("gate"))
-        xs, ws, counts, ctx = dispatch(x, weights, idx, self.n_local, self.ep_group, count=shape[1] == 1)
+        weights, idx = self.gate(x, ids.reshape(-1), p.get("gate"), self.fast)
+        xs, ws, counts, ctx = dispatch(x, weights, idx, self.n_local, self.ep_group, shape[1] == 1, self.fast)
         y = combine(self.run_experts(xs, ws, counts), ctx, x.shape[0], idx.shape[1], self.ep_group)
         shared = self.shared_experts(x, gu=(p["shared_experts.w1"], p["shared_experts.w3"]) if p else None)
         return (y + shared.float()).to(x.dtype).view(shape)

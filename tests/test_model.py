@@ -177,15 +177,17 @@ def test_moe_row_moves_equal_index_ops_both_ways():
 
 def test_expert_order_counted_and_sorted_equal_the_stable_sort():
     """dispatch's order of the (token, pick) pairs by expert, counted (a decode step) and radix-sorted, each equal to a
-    stable argsort and its inverse: ids over 256 experts (an int32 key), experts that get no pair."""
+    stable argsort and its inverse, with the pairs per expert: ids over 256 experts (an int32 key), experts that get
+    no pair."""
     from model_dsv4 import expert_order, inverse_permutation
     g = torch.Generator().manual_seed(0)
     for P, E in ((1, 8), (384, 64), (5000, 64), (700, 300), (64, 256)):
         flat = torch.randint(0, E, (P,), generator=g)
         ref = flat.argsort(stable=True)
         for count in (True, False):
-            order, inv = expert_order(flat, E, count)
+            order, inv, per = expert_order(flat, E, count)
             assert torch.equal(order, ref) and torch.equal(inv, inverse_permutation(ref)), (P, E, count)
+            assert torch.equal(per, torch.bincount(flat, minlength=E)), (P, E, count)
 
 
 def test_rope_angles_op_matches_its_fake_and_the_formula():

@@ -158,19 +158,23 @@ def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
         assert (a - b).abs().max() <= 5e-5 * b.abs().max() + 1e-6 * top, n
 
 
-@pytest.mark.parametrize("n,D,dtype", [(4, 40, torch.float32), (3, 24, torch.float32), (4, 64, torch.bfloat16)])
-def test_hc_pre_triton_equals_reference(n, D, dtype):
-    """mHC's pre-mix for 7 tokens of one position: the sublayer's input, post and comb against Block.hc_pre's reference
+@pytest.mark.parametrize("n,D,T,dtype", [(4, 40, 7, torch.float32), (3, 24, 7, torch.float32),
+                                         (2, 40, 7, torch.float32), (4, 600, 37, torch.float32),
+                                         (4, 64, 7, torch.bfloat16)])
+def test_hc_pre_triton_equals_reference(n, D, T, dtype):
+    """mHC's pre-mix for T tokens of one position: the sublayer's input, post and comb against Block.hc_pre's reference
     path (hc_mixes' fp32 GEMM, hc_split_sinkhorn's loop, the weighted sum), fn, scale and base random. D 40 and n 3
-    leave the kernel's blocks and n x n tile partly masked. fp32: to 1e-5 of the largest value; bf16: the input
-    one rounding apart (the same fp32 sum, rounded once)."""
+    leave the kernels' blocks and n x n tile partly masked; n 2 has 8 mixes in a tile of 16; D 600 at 37 tokens
+    splits K = 2400 into 19 blocks (more than the second kernel adds at once, the last one partial) and the tokens
+    into 3 blocks, the last partial. fp32: to 1e-5 of the largest value; bf16: the input one rounding apart (the same
+    fp32 sum, rounded once)."""
     g = torch.Generator().manual_seed(D)
     args = replace(TINY, hc_mult=n, hidden_size=D)
     block = Block(0, args).to(DEV)
     R = (2 + n) * n
     fn = (torch.randn(R, n * D, generator=g) / (n * D) ** 0.5).to(DEV)
     scale, base = (torch.rand(3, generator=g) + 0.5).to(DEV), (torch.randn(R, generator=g) * 0.5).to(DEV)
-    x = torch.randn(7, 1, n, D, generator=g).to(DEV, dtype)
+    x = torch.randn(T, 1, n, D, generator=g).to(DEV, dtype)
     with torch.no_grad():
         got = hc_pre_triton(x, fn, scale, base, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps)
         ref = block.hc_pre(x, fn, scale, base)  # fast off: the reference
@@ -209,7 +213,8 @@ def test_kernels_compile_for_h200_and_mi355x():
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512; the experts' two kernels; the
-    compressor's pooling with and without overlap; the sampler's two kernels; hc_pre at bench_2b's sizes. In a
+    compressor's pooling with and without overlap; the sampler's two kernels; hc_pre's two at bench_2b's sizes; the
+    router (hash and learned, 256 experts) and the pairs' ordering. In a
     subprocess: this process's kernels are interpreted."""
     code = """
 import kernels_decode as kd, kernels_triton as kt, triton
@@ -230,8 +235,15 @@ kernels += [(kd._compress_pool, {"OVERLAP": o, "MP": m, "BLOCK_D": kd.POOL_BLOCK
 kernels += [(fn, consts, {"D": "i32", "I": "i32", "limit": "fp32", "offs_ptr": "*i32"},
              ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "out_ptr"), 4)
             for fn, consts in ((kd._experts_up, {"CLAMP": True, **blocks}), (kd._experts_down, blocks))]
-kernels += [(kt._hc_pre, {"N": 4, "NP": 4, "R": 24, "RP": 32, "STEPS": 39, "BLOCK_K": 128, "BLOCK_D": 512},
-             {"D": "i32", "norm_eps": "fp32", "hc_eps": "fp32"}, ("x_ptr", "h_ptr"), 4)]
+kernels += [(kt._hc_mix_parts, {"R": 24, "RP": 32, "BT": kt.HC_BT, "BK": kt.HC_BK}, {"T": "i32", "K": "i32"},
+             ("x_ptr",), 4),
+            (kt._hc_pre, {"N": 4, "NP": 4, "RP": 32, "STEPS": 39, "SB": 16, "BLOCK_D": 512},
+             {a: "i32" for a in ("T", "S", "D")} | {"norm_eps": "fp32", "hc_eps": "fp32"}, ("x_ptr", "h_ptr"), 4)]
+route = {"N": "i32", "E": "i32", "scale": "fp32", "ids_ptr": "*i64", "idx_ptr": "*i64"}
+kernels += [(kd._route, {"K": 6, "KP": 8, "EP": 256, "BT": kd.ROUTE_BT, "FUNC": 2, "HASH": h, "NORM": True},
+             {**route, "table_ptr": "*i64" if h else "*fp32"}, (), 4) for h in (True, False)]
+kernels += [(kd._pair_order, {"BP": kd.ORDER_BP}, {"P": "i32", "E": "i32", "PAIR_PROGRAMS": "i32",
+             **{a: "*i64" for a in ("flat_ptr", "order_ptr", "inv_ptr", "count_ptr")}}, (), 4)]
 sizes = {"V": "i32", "CHUNK": "i32", "S": "i32"}
 kernels += [(kd._sample_sums, {"BLOCK": kd.SAMPLE_BLOCK}, sizes, (), 4),
             (kd._sample_pick, {"SP": 16, "BLOCK": kd.SAMPLE_BLOCK}, {**sizes, "greedy_ptr": "*u8", "draws_ptr": "*i64",
@@ -248,4 +260,4 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 24, out.stdout
+    assert out.stdout.count("compiled") == 32, out.stdout
