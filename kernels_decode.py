@@ -366,7 +366,8 @@ def sample_triton(logits, temp, greedy, draws, chunk=SAMPLE_CHUNK):
 # row max (the lowest expert of equal scores first); pair_order_triton gives each pair its row in expert order by
 # counting the pairs before it, and each expert its count.
 
-ROUTE_BT, ORDER_BP = 16, 64  # tokens a routing program; pairs (or experts) an ordering program
+ROUTE_BT = 16  # tokens a routing program
+ORDER_BP, ORDER_BQ = 16, 1024  # an ordering program's pairs (or experts), and the pairs it compares them with at once
 
 
 @_jit
@@ -436,31 +437,32 @@ route_triton.register_fake(lambda logits, table, ids, k, *rest: (
 
 
 @_jit
-def _pair_order(flat_ptr, order_ptr, inv_ptr, count_ptr, P, E, PAIR_PROGRAMS, BP: tl.constexpr):
+def _pair_order(flat_ptr, order_ptr, inv_ptr, count_ptr, P, E, PAIR_PROGRAMS, BP: tl.constexpr, BQ: tl.constexpr):
     """Programs below PAIR_PROGRAMS: pairs p = program_id(0) * BP.. get row inv[p] = the pairs of lower experts plus
-    those of p's expert before p, and order[inv[p]] = p. The others: experts e.. get count[e], their pairs."""
+    those of p's expert before p, and order[inv[p]] = p. The others: experts e.. get count[e], their pairs. The
+    other pairs are read BQ at a time: all of a decode step's in one load (up to ORDER_BQ)."""
     pid = tl.program_id(0)
-    q0 = tl.arange(0, BP)
+    q0 = tl.arange(0, BQ)
     if pid < PAIR_PROGRAMS:
         p = pid * BP + tl.arange(0, BP)
         pm = p < P
         ep = tl.load(flat_ptr + p, mask=pm, other=0)
-        row = tl.zeros([BP], dtype=tl.int64)
-        for start in range(0, P, BP):
+        row = tl.zeros([BP], dtype=tl.int32)
+        for start in range(0, P, BQ):
             q = start + q0
             eq = tl.load(flat_ptr + q, mask=q < P, other=E)  # past the end: after every expert
             before = (eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None]))
-            row += tl.sum(before.to(tl.int64), 1)
-        tl.store(inv_ptr + p, row, mask=pm)
+            row += tl.sum(before.to(tl.int32), 1)
+        tl.store(inv_ptr + p, row.to(tl.int64), mask=pm)
         tl.store(order_ptr + row, p.to(tl.int64), mask=pm)
     else:
         e = (pid - PAIR_PROGRAMS) * BP + tl.arange(0, BP)
-        n = tl.zeros([BP], dtype=tl.int64)
-        for start in range(0, P, BP):
+        n = tl.zeros([BP], dtype=tl.int32)
+        for start in range(0, P, BQ):
             q = start + q0
             eq = tl.load(flat_ptr + q, mask=q < P, other=E)
-            n += tl.sum((eq[None, :] == e[:, None]).to(tl.int64), 1)
-        tl.store(count_ptr + e, n, mask=e < E)
+            n += tl.sum((eq[None, :] == e[:, None]).to(tl.int32), 1)
+        tl.store(count_ptr + e, n.to(tl.int64), mask=e < E)
 
 
 @torch.library.custom_op("nano_dsv4::pair_order", mutates_args=())
@@ -469,9 +471,9 @@ def pair_order_triton(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
     P = flat.shape[0]
     order, inv, counts = flat.new_empty(P), flat.new_empty(P), flat.new_empty(n_experts)
     pair_programs = triton.cdiv(P, ORDER_BP)
-    _pair_order[(pair_programs + triton.cdiv(n_experts, ORDER_BP),)](flat.contiguous(), order, inv, counts, P,
-                                                                      n_experts, pair_programs, BP=ORDER_BP,
-                                                                      num_warps=4)
+    _pair_order[(pair_programs + triton.cdiv(n_experts, ORDER_BP),)](
+        flat.contiguous(), order, inv, counts, P, n_experts, pair_programs, BP=ORDER_BP,
+        BQ=min(ORDER_BQ, triton.next_power_of_2(P)), num_warps=4)
     return order, inv, counts
 
 

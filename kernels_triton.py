@@ -281,58 +281,62 @@ HC_BT, HC_BK = 16, 128  # the GEMM's tile: tokens x K
 
 @_jit
 def _hc_mix_parts(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr):
+                  BK: tl.constexpr, DOT: tl.constexpr):
     """Tokens block program_id(0), K block s = program_id(1): part[s, t, :R] = x[t, k] @ fn[:, k].T and
-    ss[s, t] = sum of x[t, k]^2 over the block's k, fp32."""
+    ss[s, t] = sum of x[t, k]^2 over the block's k, fp32 (DOT: tl.dot's input_precision, "ieee" or "tf32x3")."""
     s = tl.program_id(1)
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     k, r = s * BK + tl.arange(0, BK), tl.arange(0, RP)
     xv = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=(t < T)[:, None] & (k < K)[None, :], other=0.0)
     xv = xv.to(tl.float32)
-    fv = tl.load(fn_ptr + r[None, :] * K + k[:, None], mask=(r < R)[None, :] & (k < K)[:, None], other=0.0)
-    tl.store(part_ptr + (s * T + t[:, None]) * RP + r[None, :], tl.dot(xv, fv, input_precision="ieee"),
+    fv = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=(r < R)[:, None] & (k < K)[None, :], other=0.0)
+    tl.store(part_ptr + (s * T + t[:, None]) * RP + r[None, :], tl.dot(xv, tl.trans(fv), input_precision=DOT),
              mask=(t < T)[:, None])
     tl.store(ss_ptr + s * T + t, tl.sum(xv * xv, 1), mask=t < T)
 
 
 @_jit
-def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, mix_ptr, h_ptr, post_ptr, comb_ptr, T, S, D, norm_eps,
-            hc_eps, N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, STEPS: tl.constexpr, SB: tl.constexpr,
+def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_ptr, T, S, D, norm_eps, hc_eps,
+            N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, STEPS: tl.constexpr, SB: tl.constexpr,
             BLOCK_D: tl.constexpr):
-    """Token program_id(0): its S partials -> the mixes (to mix_ptr, read back in the shapes below), h [D], post [N],
-    comb [N, N]; the same steps as model_dsv4.hc_mixes, hc_split_sinkhorn and Block.hc_pre's sum."""
+    """Token program_id(0): its S partials -> h [D], post [N], comb [N, N]; the same steps as model_dsv4.hc_mixes,
+    hc_split_sinkhorn and Block.hc_pre's sum. The partials are read in the shapes they are used in (pre and post
+    [SB, NP], comb's [SB, NP, NP]), SB blocks of K at a time, and the weighted sum comes before the Sinkhorn, so that
+    its loads need not wait for that loop."""
     t = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, RP)
-    acc, ss = tl.zeros([SB, RP], dtype=tl.float32), tl.zeros([SB], dtype=tl.float32)
-    for s0 in range(0, S, SB):  # the partials of the split GEMM, in the same order for every token
-        s = s0 + tl.arange(0, SB)
-        acc += tl.load(part_ptr + (s[:, None] * T + t) * RP + r[None, :], mask=(s < S)[:, None], other=0.0)
-        ss += tl.load(ss_ptr + s * T + t, mask=s < S, other=0.0)
-    mix = tl.sum(acc, 0) * tl.rsqrt(tl.sum(ss, 0) / (N * D) + norm_eps)
-    tl.store(mix_ptr + t * RP + r, mix)
-    tl.debug_barrier()  # the mixes, stored by some threads, are read back by others
-    i = tl.arange(0, NP)
+    i, sb = tl.arange(0, NP), tl.arange(0, SB)
     im, cm = i < N, (i[:, None] < N) & (i[None, :] < N)
-    mix_ptr += t * RP
-    pre = tl.sigmoid(tl.load(mix_ptr + i, mask=im, other=0.0) * tl.load(scale_ptr)
-                     + tl.load(base_ptr + i, mask=im, other=0.0)) + hc_eps
-    post = 2 * tl.sigmoid(tl.load(mix_ptr + N + i, mask=im, other=0.0) * tl.load(scale_ptr + 1)
-                          + tl.load(base_ptr + N + i, mask=im, other=0.0))
-    tl.store(post_ptr + t * N + i, post, mask=im)
-    at = 2 * N + i[:, None] * N + i[None, :]  # comb's logits, a softmax over each row (padding: -inf, then 0)
-    c = tl.where(cm, tl.load(mix_ptr + at, mask=cm, other=0.0) * tl.load(scale_ptr + 2)
-                 + tl.load(base_ptr + at, mask=cm, other=0.0), float("-inf"))
-    e = tl.where(cm, tl.exp(c - tl.where(im, tl.max(c, 1), 0.0)[:, None]), 0.0)
-    c = tl.where(cm, e / tl.where(im, tl.sum(e, 1), 1.0)[:, None] + hc_eps, 0.0)[None, :, :]
-    for s in tl.static_range(STEPS):  # Sinkhorn, as _sinkhorn_fwd: a tile of one token
-        c = c / (_sums(c, s) + hc_eps)
-    tl.store(comb_ptr + t * N * N + (i[:, None] * N + i[None, :])[None, :, :], c, mask=cm[None, :, :])
+    pre, post = tl.zeros([NP], dtype=tl.float32), tl.zeros([NP], dtype=tl.float32)
+    c, ss = tl.zeros([NP, NP], dtype=tl.float32), tl.zeros([SB], dtype=tl.float32)
+    for s0 in range(0, S, SB):  # the split GEMM's partials, added in the same order for every token
+        s = s0 + sb
+        row = part_ptr + (s * T + t) * RP
+        sm = s < S
+        pre += tl.sum(tl.load(row[:, None] + i[None, :], mask=sm[:, None] & im[None, :], other=0.0), 0)
+        post += tl.sum(tl.load(row[:, None] + N + i[None, :], mask=sm[:, None] & im[None, :], other=0.0), 0)
+        c += tl.sum(tl.load(row[:, None, None] + 2 * N + i[None, :, None] * N + i[None, None, :],
+                            mask=sm[:, None, None] & cm[None, :, :], other=0.0), 0)
+        ss += tl.load(ss_ptr + s * T + t, mask=sm, other=0.0)
+    norm = tl.rsqrt(tl.sum(ss, 0) / (N * D) + norm_eps)
+    pre = tl.sigmoid(pre * norm * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=im, other=0.0)) + hc_eps
     K = N * D
     for d0 in range(0, D, BLOCK_D):  # the sublayer's input: the streams weighted by pre, summed in fp32
         d = d0 + tl.arange(0, BLOCK_D)
         xv = tl.load(x_ptr + t * K + i[:, None] * D + d[None, :], mask=im[:, None] & (d < D)[None, :], other=0.0)
         tl.store(h_ptr + t * D + d, tl.sum(pre[:, None] * xv.to(tl.float32), 0).to(h_ptr.dtype.element_ty),
                  mask=d < D)
+    post = 2 * tl.sigmoid(post * norm * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i, mask=im, other=0.0))
+    tl.store(post_ptr + t * N + i, post, mask=im)
+    at = 2 * N + i[:, None] * N + i[None, :]  # comb's logits, a softmax over each row (padding: -inf, then 0)
+    c = tl.where(cm, c * norm * tl.load(scale_ptr + 2) + tl.load(base_ptr + at, mask=cm, other=0.0), float("-inf"))
+    e = tl.where(cm, tl.exp(c - tl.where(im, tl.max(c, 1), 0.0)[:, None]), 0.0)
+    c = tl.where(cm, e / tl.where(im, tl.sum(e, 1), 1.0)[:, None] + hc_eps, 0.0)[None, :, :]
+    for step in tl.static_range(STEPS):  # Sinkhorn, as _sinkhorn_fwd: a tile of one token
+        c = c / (_sums(c, step) + hc_eps)
+    tl.store(comb_ptr + t * N * N + (i[:, None] * N + i[None, :])[None, :, :], c, mask=cm[None, :, :])
+
+
+HC_DOT = "ieee"  # the mixes' tl.dot: fp32 products (bench/probe_hc_pre.py times "tf32x3" too)
 
 
 @torch.library.custom_op("nano_dsv4::hc_pre", mutates_args=())
@@ -346,11 +350,12 @@ def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     RP, S = max(16, triton.next_power_of_2(R)), triton.cdiv(K, HC_BK)  # tl.dot's tiles are 16 wide at least
     part, ss = xf.new_empty(S, T, RP, dtype=torch.float32), xf.new_empty(S, T, dtype=torch.float32)
     _hc_mix_parts[(triton.cdiv(T, HC_BT), S)](xf, fn.contiguous(), part, ss, T, K, R=R, RP=RP, BT=HC_BT, BK=HC_BK,
-                                             num_warps=4)
-    mix, post, comb = (xf.new_empty(T, *s, dtype=torch.float32) for s in ((RP,), (n,), (n, n)))
+                                             DOT=HC_DOT, num_warps=4)
+    post, comb = xf.new_empty(T, n, dtype=torch.float32), xf.new_empty(T, n, n, dtype=torch.float32)
     h = x.new_empty(T, D)
-    _hc_pre[(T,)](xf, part, ss, scale.contiguous(), base.contiguous(), mix, h, post, comb, T, S, D, norm_eps, hc_eps,
-                  N=n, NP=triton.next_power_of_2(n), RP=RP, STEPS=2 * iters - 1, SB=16, BLOCK_D=512, num_warps=4)
+    _hc_pre[(T,)](xf, part, ss, scale.contiguous(), base.contiguous(), h, post, comb, T, S, D, norm_eps, hc_eps,
+                  N=n, NP=triton.next_power_of_2(n), RP=RP, STEPS=2 * iters - 1,
+                  SB=min(64, triton.next_power_of_2(S)), BLOCK_D=min(2048, triton.next_power_of_2(D)), num_warps=4)
     return h.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 

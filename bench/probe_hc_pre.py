@@ -1,8 +1,10 @@
-"""mHC's pre-mix for a decode step (Block.hc_pre on [B, 1, n, D]) as kernels_triton.hc_pre_triton, one Triton kernel a
-token, against the path it replaces in the same run: the model's fast path (the mixes on bf16 tensor cores with fn in
+"""mHC's pre-mix for a decode step (Block.hc_pre on [B, 1, n, D]) as kernels_triton.hc_pre_triton (two Triton kernels)
+against the path it replaces in the same run: the model's fast path (the mixes on bf16 tensor cores with fn in
 three parts, Sinkhorn in Triton, the weighted sum) compiled as compile='layers' compiles it, bench_2b's sizes (n 4,
-D 1536, 20 Sinkhorn iterations), bf16, at 64 and 256 tokens, each as CUDA-graph replays (the device's time). Written in
-session 25, not yet run: call 2's trace had ~9 kernels for each of a decode step's 24 pre-mixes.
+D 1536, 20 Sinkhorn iterations), bf16, at 64 and 256 tokens, each as CUDA-graph replays (the device's time). Then
+each of its two kernels alone, and the split GEMM's variants: tl.dot in "tf32x3" (three tf32 products) against
+"ieee" (fp32), blocks of K of 64 / 128 / 256 and 2 / 4 / 8 warps. Written in session 25; session 26's call 1 timed
+the first version (one program a token) at 41 us, call 2's trace the two kernels at 10.8 + 7.7 us.
 python bench/probe_hc_pre.py   (a GPU)"""
 import copy
 import os
@@ -11,7 +13,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels_triton import hc_pre_triton  # noqa: E402  (first: without a GPU it turns on Triton's interpreter)
+import kernels_triton as kt  # noqa: E402  (first: without a GPU it turns on Triton's interpreter)
+from kernels_triton import hc_pre_triton, triton  # noqa: E402
 import model_dsv4  # noqa: E402
 from model_dsv4 import Block, ModelArgs  # noqa: E402
 from probe_timing import graph_us  # noqa: E402
@@ -39,3 +42,21 @@ with torch.no_grad():
         err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(got, ref))
         print(f"  {B} tokens: compiled reference {t_ref:.1f} us, Triton {graph_us(ours):.1f} us; "
               f"max |Δ| / max |ref| over input, post, comb {err:.1e}", flush=True)
+        xf, K, RP = x.reshape(B, n * D), n * D, 32
+        for bk in (64, 128, 256):  # the split GEMM alone, its variants
+            S = triton.cdiv(K, bk)
+            part, ss = xf.new_empty(S, B, RP, dtype=torch.float32), xf.new_empty(S, B, dtype=torch.float32)
+            for dot in ("ieee", "tf32x3"):
+                for warps in (2, 4, 8):
+                    run = lambda: kt._hc_mix_parts[(triton.cdiv(B, kt.HC_BT), S)](
+                        xf, fn, part, ss, B, K, R=R, RP=RP, BT=kt.HC_BT, BK=bk, DOT=dot, num_warps=warps)
+                    print(f"    split GEMM, K blocks of {bk}, {dot}, {warps} warps: {graph_us(run):.1f} us", flush=True)
+        S = triton.cdiv(K, kt.HC_BK)
+        part, ss = xf.new_empty(S, B, RP, dtype=torch.float32), xf.new_empty(S, B, dtype=torch.float32)
+        post, comb = xf.new_empty(B, n, dtype=torch.float32), xf.new_empty(B, n, n, dtype=torch.float32)
+        h = x.new_empty(B, D)
+        for warps in (1, 2, 4, 8):  # the second kernel alone
+            run = lambda: kt._hc_pre[(B,)](xf, part, ss, scale, base, h, post, comb, B, S, D, args.rms_norm_eps,
+                                           args.hc_eps, N=n, NP=n, RP=RP, STEPS=2 * args.hc_sinkhorn_iters - 1,
+                                           SB=64, BLOCK_D=2048, num_warps=warps)
+            print(f"    the rest a token, {warps} warps: {graph_us(run):.1f} us", flush=True)

@@ -17,6 +17,7 @@ from kernels_decode import (compress_pool_triton, decode_attention_triton,  # be
                             sample_triton)
 import engine
 import kernels
+import kernels_decode
 import kv_cache
 import model_dsv4
 from conftest import TINY, randomize_
@@ -235,10 +236,13 @@ def test_route_triton_equals_gate(func):
             assert w.dtype == torch.float32 and (w - ref_w).abs().max() <= 1e-6 * ref_w.abs().max(), (hash_layer, norm)
 
 
-@pytest.mark.parametrize("P,E", [(1, 8), (384, 64), (700, 300), (64, 256)])
-def test_pair_order_triton_equals_the_stable_sort(P, E):
+@pytest.mark.parametrize("P,E,bq", [(1, 8, 1024), (384, 64, 1024), (700, 300, 1024), (64, 256, 1024),
+                                    (700, 64, 256)])
+def test_pair_order_triton_equals_the_stable_sort(P, E, bq, monkeypatch):
     """A decode step's (token, pick) pairs put in expert order: order and its inverse equal a stable argsort's, the
-    counts bincount's; pairs past a block of 64, experts over 256 and experts with no pair."""
+    counts bincount's; pairs past a block, experts over 256, experts with no pair, and the pairs compared in several
+    loads (256 at a time)."""
+    monkeypatch.setattr(kernels_decode, "ORDER_BQ", bq)
     flat = torch.randint(0, E, (P,), generator=torch.Generator().manual_seed(P)).to(DEV)
     order, inv, counts = pair_order_triton(flat, E)
     ref = flat.argsort(stable=True)

@@ -159,14 +159,14 @@ def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
 
 
 @pytest.mark.parametrize("n,D,T,dtype", [(4, 40, 7, torch.float32), (3, 24, 7, torch.float32),
-                                         (2, 40, 7, torch.float32), (4, 600, 37, torch.float32),
+                                         (2, 40, 7, torch.float32), (4, 2100, 37, torch.float32),
                                          (4, 64, 7, torch.bfloat16)])
 def test_hc_pre_triton_equals_reference(n, D, T, dtype):
     """mHC's pre-mix for T tokens of one position: the sublayer's input, post and comb against Block.hc_pre's reference
     path (hc_mixes' fp32 GEMM, hc_split_sinkhorn's loop, the weighted sum), fn, scale and base random. D 40 and n 3
-    leave the kernels' blocks and n x n tile partly masked; n 2 has 8 mixes in a tile of 16; D 600 at 37 tokens
-    splits K = 2400 into 19 blocks (more than the second kernel adds at once, the last one partial) and the tokens
-    into 3 blocks, the last partial. fp32: to 1e-5 of the largest value; bf16: the input one rounding apart (the same
+    leave the kernels' blocks and n x n tile partly masked; n 2 has 8 mixes in a tile of 16; D 2100 at 37 tokens
+    splits K = 8400 into 66 blocks (more than the second kernel adds at once, the last one partial), D into two
+    blocks and the tokens into 3, the last ones partial. fp32: to 1e-5 of the largest value; bf16: the input one rounding apart (the same
     fp32 sum, rounded once)."""
     g = torch.Generator().manual_seed(D)
     args = replace(TINY, hc_mult=n, hidden_size=D)
@@ -235,14 +235,14 @@ kernels += [(kd._compress_pool, {"OVERLAP": o, "MP": m, "BLOCK_D": kd.POOL_BLOCK
 kernels += [(fn, consts, {"D": "i32", "I": "i32", "limit": "fp32", "offs_ptr": "*i32"},
              ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "out_ptr"), 4)
             for fn, consts in ((kd._experts_up, {"CLAMP": True, **blocks}), (kd._experts_down, blocks))]
-kernels += [(kt._hc_mix_parts, {"R": 24, "RP": 32, "BT": kt.HC_BT, "BK": kt.HC_BK}, {"T": "i32", "K": "i32"},
-             ("x_ptr",), 4),
-            (kt._hc_pre, {"N": 4, "NP": 4, "RP": 32, "STEPS": 39, "SB": 16, "BLOCK_D": 512},
+kernels += [(kt._hc_mix_parts, {"R": 24, "RP": 32, "BT": kt.HC_BT, "BK": kt.HC_BK, "DOT": kt.HC_DOT},
+             {"T": "i32", "K": "i32"}, ("x_ptr",), 4),
+            (kt._hc_pre, {"N": 4, "NP": 4, "RP": 32, "STEPS": 39, "SB": 64, "BLOCK_D": 2048},
              {a: "i32" for a in ("T", "S", "D")} | {"norm_eps": "fp32", "hc_eps": "fp32"}, ("x_ptr", "h_ptr"), 4)]
 route = {"N": "i32", "E": "i32", "scale": "fp32", "ids_ptr": "*i64", "idx_ptr": "*i64"}
 kernels += [(kd._route, {"K": 6, "KP": 8, "EP": 256, "BT": kd.ROUTE_BT, "FUNC": 2, "HASH": h, "NORM": True},
              {**route, "table_ptr": "*i64" if h else "*fp32"}, (), 4) for h in (True, False)]
-kernels += [(kd._pair_order, {"BP": kd.ORDER_BP}, {"P": "i32", "E": "i32", "PAIR_PROGRAMS": "i32",
+kernels += [(kd._pair_order, {"BP": kd.ORDER_BP, "BQ": kd.ORDER_BQ}, {"P": "i32", "E": "i32", "PAIR_PROGRAMS": "i32",
              **{a: "*i64" for a in ("flat_ptr", "order_ptr", "inv_ptr", "count_ptr")}}, (), 4)]
 sizes = {"V": "i32", "CHUNK": "i32", "S": "i32"}
 kernels += [(kd._sample_sums, {"BLOCK": kd.SAMPLE_BLOCK}, sizes, (), 4),
