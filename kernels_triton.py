@@ -274,6 +274,8 @@ hc_post_triton.register_autograd(_hc_post_backward, setup_context=_hc_post_setup
 # 64 programs, each a chain of 48 dependent loads, took 41-76 us a call where the compiled path takes 18; session 26.)
 # The second takes one token: it adds its partials in a fixed order (a token's sums do not depend on the batch), then
 # the norm, the Sinkhorn in registers and the weighted sum. For the few tokens of a decode step (HC_PRE_TOKENS).
+# Each alone on an H200 (bench/probe_hc_pre.py, session 26), at 64 / 256 tokens: the first 10.7 / 29.7 us with fp32
+# products, 3.3 / 6.9 with tf32x3's (hc_dot); the second 7.3 / 8.1. The compiled path they replace: 17.6 / 19.1.
 
 HC_PRE_TOKENS = 256  # Block.hc_pre takes the kernels without grad for inputs of at most this many tokens
 HC_BT, HC_BK = 16, 128  # the GEMM's tile: tokens x K
@@ -283,7 +285,7 @@ HC_BT, HC_BK = 16, 128  # the GEMM's tile: tokens x K
 def _hc_mix_parts(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr, DOT: tl.constexpr):
     """Tokens block program_id(0), K block s = program_id(1): part[s, t, :R] = x[t, k] @ fn[:, k].T and
-    ss[s, t] = sum of x[t, k]^2 over the block's k, fp32 (DOT: tl.dot's input_precision, "ieee" or "tf32x3")."""
+    ss[s, t] = sum of x[t, k]^2 over the block's k, fp32 (DOT: tl.dot's input_precision, hc_dot)."""
     s = tl.program_id(1)
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     k, r = s * BK + tl.arange(0, BK), tl.arange(0, RP)
@@ -336,7 +338,11 @@ def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_
     tl.store(comb_ptr + t * N * N + (i[:, None] * N + i[None, :])[None, :, :], c, mask=cm[None, :, :])
 
 
-HC_DOT = "ieee"  # the mixes' tl.dot: fp32 products (bench/probe_hc_pre.py times "tf32x3" too)
+def hc_dot(backend):
+    """The mixes' tl.dot precision on a backend: on CUDA "tf32x3", three tf32 products to ~fp32, 3.3 us a call at
+    64 tokens against fp32's ("ieee") 10.7 on an H200 (bench/probe_hc_pre.py, session 26); AMD's compiler has no
+    tf32x3, so "ieee" there."""
+    return "tf32x3" if backend == "cuda" else "ieee"
 
 
 @torch.library.custom_op("nano_dsv4::hc_pre", mutates_args=())
@@ -350,7 +356,7 @@ def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     RP, S = max(16, triton.next_power_of_2(R)), triton.cdiv(K, HC_BK)  # tl.dot's tiles are 16 wide at least
     part, ss = xf.new_empty(S, T, RP, dtype=torch.float32), xf.new_empty(S, T, dtype=torch.float32)
     _hc_mix_parts[(triton.cdiv(T, HC_BT), S)](xf, fn.contiguous(), part, ss, T, K, R=R, RP=RP, BT=HC_BT, BK=HC_BK,
-                                             DOT=HC_DOT, num_warps=4)
+                                             DOT=hc_dot("hip" if torch.version.hip else "cuda"), num_warps=4)
     post, comb = xf.new_empty(T, n, dtype=torch.float32), xf.new_empty(T, n, n, dtype=torch.float32)
     h = x.new_empty(T, D)
     _hc_pre[(T,)](xf, part, ss, scale.contiguous(), base.contiguous(), h, post, comb, T, S, D, norm_eps, hc_eps,

@@ -166,8 +166,8 @@ def test_hc_pre_triton_equals_reference(n, D, T, dtype):
     path (hc_mixes' fp32 GEMM, hc_split_sinkhorn's loop, the weighted sum), fn, scale and base random. D 40 and n 3
     leave the kernels' blocks and n x n tile partly masked; n 2 has 8 mixes in a tile of 16; D 2100 at 37 tokens
     splits K = 8400 into 66 blocks (more than the second kernel adds at once, the last one partial), D into two
-    blocks and the tokens into 3, the last ones partial. fp32: to 1e-5 of the largest value; bf16: the input one rounding apart (the same
-    fp32 sum, rounded once)."""
+    blocks and the tokens into 3, the last ones partial. fp32: to 1e-5 of the largest value (on CUDA the mixes'
+    products are tf32x3's, ~fp32); bf16: the input one rounding apart (the same fp32 sum, rounded once)."""
     g = torch.Generator().manual_seed(D)
     args = replace(TINY, hc_mult=n, hidden_size=D)
     block = Block(0, args).to(DEV)
@@ -213,9 +213,9 @@ def test_kernels_compile_for_h200_and_mi355x():
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512; the experts' two kernels; the
-    compressor's pooling with and without overlap; the sampler's two kernels; hc_pre's two at bench_2b's sizes; the
-    router (hash and learned, 256 experts) and the pairs' ordering. In a
-    subprocess: this process's kernels are interpreted."""
+    compressor's pooling with and without overlap; the sampler's two kernels; hc_pre's two at bench_2b's sizes (the
+    mixes' tl.dot in each backend's precision, kernels_triton.hc_dot); the router (hash and learned, 256 experts)
+    and the pairs' ordering. In a subprocess: this process's kernels are interpreted."""
     code = """
 import kernels_decode as kd, kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
@@ -235,7 +235,7 @@ kernels += [(kd._compress_pool, {"OVERLAP": o, "MP": m, "BLOCK_D": kd.POOL_BLOCK
 kernels += [(fn, consts, {"D": "i32", "I": "i32", "limit": "fp32", "offs_ptr": "*i32"},
              ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "out_ptr"), 4)
             for fn, consts in ((kd._experts_up, {"CLAMP": True, **blocks}), (kd._experts_down, blocks))]
-kernels += [(kt._hc_mix_parts, {"R": 24, "RP": 32, "BT": kt.HC_BT, "BK": kt.HC_BK, "DOT": kt.HC_DOT},
+kernels += [(kt._hc_mix_parts, {"R": 24, "RP": 32, "BT": kt.HC_BT, "BK": kt.HC_BK, "DOT": None},
              {"T": "i32", "K": "i32"}, ("x_ptr",), 4),
             (kt._hc_pre, {"N": 4, "NP": 4, "RP": 32, "STEPS": 39, "SB": 64, "BLOCK_D": 2048},
              {a: "i32" for a in ("T", "S", "D")} | {"norm_eps": "fp32", "hc_eps": "fp32"}, ("x_ptr", "h_ptr"), 4)]
@@ -252,6 +252,7 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     for fn, consts, scalars, bf16, warps in kernels:
         ptrs = {a: "*bf16" if a in bf16 else scalars.get(a, "*fp32") for a in fn.arg_names if a.endswith("_ptr")}
         sig = {**ptrs, **{a: t for a, t in scalars.items() if a in fn.arg_names}}
+        consts = {**consts, "DOT": kt.hc_dot(target.backend)} if "DOT" in consts else consts  # per backend
         sig.update({a: "constexpr" for a in consts})
         src = ASTSource(fn, sig, constexprs=consts)
         assert binary in triton.compile(src, target=target, options={"num_warps": warps}).asm, (target, fn)
