@@ -378,14 +378,15 @@ def _log1p(y):
 
 
 @_jit
-def _route(logits_ptr, table_ptr, ids_ptr, w_ptr, idx_ptr, N, E, scale, K: tl.constexpr, KP: tl.constexpr,
+def _route(logits_ptr, table_ptr, ids_ptr, w_ptr, idx_ptr, N, E, row, scale, K: tl.constexpr, KP: tl.constexpr,
            EP: tl.constexpr, BT: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr):
-    """Tokens program_id(0) * BT..: logits [N, E] fp32 -> w [N, K] fp32, idx [N, K] int64. FUNC 0 softmax, 1 sigmoid,
-    2 sqrt(softplus); HASH: idx = table[ids[t]] (table [vocab, K]), else the top K of score + table (the bias [E])."""
+    """Tokens program_id(0) * BT..: logits [N, E] fp32 (rows `row` apart) -> w [N, K] fp32, idx [N, K] int64. FUNC 0
+    softmax, 1 sigmoid, 2 sqrt(softplus); HASH: idx = table[ids[t]] (table [vocab, K]), else the top K of score +
+    table (the bias [E])."""
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     e, j = tl.arange(0, EP), tl.arange(0, KP)
     tm, em = t < N, e < E
-    x = tl.load(logits_ptr + tl.minimum(t, N - 1)[:, None] * E + e[None, :], mask=em[None, :], other=0.0)
+    x = tl.load(logits_ptr + tl.minimum(t, N - 1)[:, None] * row + e[None, :], mask=em[None, :], other=0.0)
     if FUNC == 0:  # (tokens past N: a copy of the last one, not stored)
         x = tl.where(em[None, :], x, float("-inf"))
         s = tl.exp(x - tl.max(x, 1)[:, None])
@@ -422,10 +423,12 @@ def route_triton(logits: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, k
                  norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """model_dsv4.Gate.forward from its logits [N, E] fp32: func the scoring ("softmax", "sigmoid", "sqrtsoftplus"),
     table the bias [E] or (hash) tid2eid [vocab, k], ids [N] the tokens (read by hash layers) -> weights [N, k] fp32
-    (normalised if norm, times scale), expert ids [N, k] int64."""
+    (normalised if norm, times scale), expert ids [N, k] int64. The logits may be a slice of wider rows (the decode's
+    fused projections): read in place."""
     N, E = logits.shape
     w, idx = logits.new_empty(N, k), ids.new_empty(N, k, dtype=torch.int64)
-    _route[(triton.cdiv(N, ROUTE_BT),)](logits.contiguous(), table.contiguous(), ids.contiguous(), w, idx, N, E,
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    _route[(triton.cdiv(N, ROUTE_BT),)](logits, table.contiguous(), ids.contiguous(), w, idx, N, E, logits.stride(0),
                                         scale, K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E),
                                         BT=ROUTE_BT, FUNC=("softmax", "sigmoid", "sqrtsoftplus").index(func),
                                         HASH=hash, NORM=norm, num_warps=4)

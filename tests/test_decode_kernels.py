@@ -217,11 +217,11 @@ def test_engine_samples_on_triton_as_on_the_reference(monkeypatch):
 def test_route_triton_equals_gate(func):
     """The router from its logits, learned (top 6 of score + bias) and hash (tid2eid of the token), normalised or not,
     against Gate.forward: 37 tokens (3 programs, the last partial) over 40 experts (a block of 64), logits from -40
-    to 40 (softplus' small values and its linear part above 20). The same experts in the same order; the weights to
-    1e-6 of the largest."""
+    to 40 (softplus' small values and its linear part above 20), a slice of wider rows as the decode's fused
+    projections give them. The same experts in the same order; the weights to 1e-6 of the largest."""
     g = torch.Generator().manual_seed(len(func))
     N, E, K = 37, 40, 6
-    logits = (torch.randn(N, E, generator=g) * 8).clamp(-40, 40).to(DEV)
+    logits = (torch.randn(N, E + 9, generator=g) * 8).clamp(-40, 40).to(DEV)[:, 5:5 + E]
     logits[0, :3] = torch.tensor([-40.0, 25.0, 39.0])
     ids = torch.randint(0, TINY.vocab_size, (N,), generator=g).to(DEV)
     for hash_layer in (True, False):

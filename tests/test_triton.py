@@ -239,7 +239,7 @@ kernels += [(kt._hc_mix_parts, {"R": 24, "RP": 32, "BT": kt.HC_BT, "BK": kt.HC_B
              {"T": "i32", "K": "i32"}, ("x_ptr",), 4),
             (kt._hc_pre, {"N": 4, "NP": 4, "RP": 32, "STEPS": 39, "SB": 64, "BLOCK_D": 2048},
              {a: "i32" for a in ("T", "S", "D")} | {"norm_eps": "fp32", "hc_eps": "fp32"}, ("x_ptr", "h_ptr"), 4)]
-route = {"N": "i32", "E": "i32", "scale": "fp32", "ids_ptr": "*i64", "idx_ptr": "*i64"}
+route = {"N": "i32", "E": "i32", "row": "i32", "scale": "fp32", "ids_ptr": "*i64", "idx_ptr": "*i64"}
 kernels += [(kd._route, {"K": 6, "KP": 8, "EP": 256, "BT": kd.ROUTE_BT, "FUNC": 2, "HASH": h, "NORM": True},
              {**route, "table_ptr": "*i64" if h else "*fp32"}, (), 4) for h in (True, False)]
 kernels += [(kd._pair_order, {"BP": kd.ORDER_BP, "BQ": kd.ORDER_BQ}, {"P": "i32", "E": "i32", "PAIR_PROGRAMS": "i32",
