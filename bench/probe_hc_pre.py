@@ -3,7 +3,8 @@ against the path it replaces in the same run: the model's fast path (the mixes o
 three parts, Sinkhorn in Triton, the weighted sum) compiled as compile='layers' compiles it, bench_2b's sizes (n 4,
 D 1536, 20 Sinkhorn iterations), bf16, at 64 and 256 tokens, each as CUDA-graph replays (the device's time). Then
 each of its two kernels alone, and the split GEMM's variants: tl.dot in "tf32x3" (three tf32 products) against
-"ieee" (fp32), blocks of K of 64 / 128 / 256 and 2 / 4 / 8 warps. Written in session 25; session 26's call 1 timed
+"ieee" (fp32), blocks of K of 64 / 128 / 256 and 2 / 4 / 8 warps; the second kernel at 1-8 warps, and with one
+Sinkhorn step or a weighted sum of 16 channels (where its time goes). Written in session 25; session 26's call 1 timed
 the first version (one program a token) at 41 us, call 2's trace the two kernels at 10.8 + 7.7 us.
 python bench/probe_hc_pre.py   (a GPU)"""
 import copy
@@ -55,8 +56,10 @@ with torch.no_grad():
         part, ss = xf.new_empty(S, B, RP, dtype=torch.float32), xf.new_empty(S, B, dtype=torch.float32)
         post, comb = xf.new_empty(B, n, dtype=torch.float32), xf.new_empty(B, n, n, dtype=torch.float32)
         h = x.new_empty(B, D)
-        for warps in (1, 2, 4, 8):  # the second kernel alone
-            run = lambda: kt._hc_pre[(B,)](xf, part, ss, scale, base, h, post, comb, B, S, D, args.rms_norm_eps,
-                                           args.hc_eps, N=n, NP=n, RP=RP, STEPS=2 * args.hc_sinkhorn_iters - 1,
-                                           SB=64, BLOCK_D=2048, num_warps=warps)
-            print(f"    the rest a token, {warps} warps: {graph_us(run):.1f} us", flush=True)
+        for warps, steps, d in ((1, 39, D), (2, 39, D), (4, 39, D), (8, 39, D), (4, 1, D), (4, 39, 16), (4, 1, 16)):
+            run = lambda: kt._hc_pre[(B,)](xf, part, ss, scale, base, h, post, comb, B, S, d, args.rms_norm_eps,
+                                           args.hc_eps, N=n, NP=n, RP=RP, STEPS=steps, SB=64,
+                                           BLOCK_D=triton.next_power_of_2(d), num_warps=warps)
+            what = "" if (steps, d) == (39, D) else " (parts only: " + ", ".join(
+                ["one Sinkhorn step"] * (steps == 1) + [f"a weighted sum of {d} channels"] * (d != D)) + ")"
+            print(f"    the rest a token, {warps} warps{what}: {graph_us(run):.1f} us", flush=True)
