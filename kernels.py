@@ -7,7 +7,7 @@ Fast paths for the model's expensive pieces, each beside the plain reference it 
     fp32 GEMM. Used by the router, the compressors, the indexer and the output head. Always on: on the CPU or in
     fp32 it *is* the reference.
   - hc_mixes_bf16: mHC's mixes from bf16 streams by GEMMs on bf16 tensor cores, fn split into three bf16 parts,
-    as accurate as the reference's fp32 GEMM (model_dsv4.hc_mixes). Used by Block.hc_pre when the kernels are on.
+    as accurate as the reference's fp32 GEMM (mhc.hc_mixes). Used by Block.hc_pre when the kernels are on.
   - grouped_experts: every local expert in two grouped GEMMs (torch._grouped_mm) instead of a Python loop.
     Reference: MoE.run_experts.
   - fused_projections: in the engine's decode, a layer's projections of one input (the attention's, the router's and
@@ -17,7 +17,7 @@ Fast paths for the model's expensive pieces, each beside the plain reference it 
     so the [T, T] score matrix of the reference (sink_attention with a band mask) is never formed.
   - sinkhorn_triton (kernels_triton.py, the project's Triton kernels): mHC's Sinkhorn loop as one Triton kernel
     forward and one backward, each token's n x n matrix held in registers for all its steps. Reference:
-    model_dsv4.sinkhorn. Used by Block.hc_pre for GPU tensors when the kernels are on.
+    mhc.sinkhorn. Used by Block.hc_pre for GPU tensors when the kernels are on.
   - hc_post_triton (kernels_triton.py): mHC's write-back of a sublayer into the streams, forward in one kernel and
     the backward's sums over D in one pass. Reference: model_dsv4.Block.hc_post. Used by it for GPU tensors that
     train (grad enabled) when the kernels are on.
@@ -101,7 +101,7 @@ def split_bf16(t, parts=3):
 
 
 class _HcMixes(torch.autograd.Function):
-    """model_dsv4.hc_mixes for bf16 streams: (x @ fn.T) * rsqrt(mean(x^2) + eps), x bf16 [M, K], fn fp32 [R, K].
+    """mhc.hc_mixes for bf16 streams: (x @ fn.T) * rsqrt(mean(x^2) + eps), x bf16 [M, K], fn fp32 [R, K].
     The reference converts x to fp32 and runs an fp32 GEMM, which takes no tensor cores (FFMA kernels). Here x is
     used as it is (exact in bf16) and fn is split exactly into three bf16 parts (split_bf16): one GEMM with an fp32
     result over [f0; f1; f2] gives the three products, summed after. The GEMM is narrow (R = 24 outputs) and bound
@@ -383,11 +383,13 @@ def compile_hot_paths():
     """`compile='hot'`: torch.compile the chains of small elementwise ops that
     leave a GPU waiting on kernel launches: mHC's activations and Sinkhorn (with the fast kernels off, the loop's
     20 iterations of sum and divide per sublayer: ~6,000 launches per bench_2b training step; sinkhorn_triton
-    takes 2), norms and RoPE. The functions are swapped where model_dsv4 looks them up, so one call covers the
+    takes 2), norms and RoPE. The functions are swapped where model_dsv4 (and mhc) look them up, so one call covers the
     trainer, the engine's prefill and decode (inside its CUDA graphs) alike."""
+    import mhc
     import model_dsv4 as m
     compile = lambda fn: torch.compile(fn, dynamic=True)
     m.hc_split_sinkhorn, m.hc_mixes, m.apply_rope = (compile(f) for f in (m.hc_split_sinkhorn, m.hc_mixes, m.apply_rope))
+    mhc.hc_mixes = m.hc_mixes  # where hc_head looks it up
     m.Block.hc_post = compile(m.Block.hc_post)
     m.RMSNorm.forward = compile(m.RMSNorm.forward)
 

@@ -2,7 +2,7 @@
 The project's Triton kernels for mHC, each beside the plain reference it replaces (tests/test_triton.py checks that the
 two agree, forward and backward, and compiles every Triton kernel of the project for sm_90 and gfx950):
 
-  - sinkhorn_triton: mHC's Sinkhorn loop (model_dsv4.sinkhorn) as one kernel forward and one backward.
+  - sinkhorn_triton: mHC's Sinkhorn loop (mhc.sinkhorn) as one kernel forward and one backward.
   - hc_post_triton: mHC's write-back of a sublayer into the n streams (model_dsv4.Block.hc_post) as one kernel
     forward and one for the backward's reductions.
   - hc_pre_triton: mHC's pre-mix (model_dsv4.Block.hc_pre: the norm, the mixes, the Sinkhorn, the streams' weighted
@@ -27,7 +27,7 @@ if not torch.accelerator.is_available():  # no GPU (the tests on a CPU): Triton'
 try:
     import triton
     import triton.language as tl
-except ImportError:  # torch's CPU build comes without Triton: model_dsv4.sinkhorn's loop runs instead
+except ImportError:  # torch's CPU build comes without Triton: mhc.sinkhorn's loop runs instead
     triton = tl = None
 if _SET_HERE and triton is not None and hasattr(triton, "knobs"):
     # the switch held by Triton's own setting from here, the variable dropped, so that child processes (the embedded
@@ -141,7 +141,7 @@ def _launch(kernel, iters, eps, *tensors):
 
 @torch.library.custom_op("nano_dsv4::sinkhorn", mutates_args=())
 def sinkhorn_triton(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """model_dsv4.sinkhorn(comb, iters, eps) for comb [..., n, n] fp32: a custom op, so torch.compile leaves the
+    """mhc.sinkhorn(comb, iters, eps) for comb [..., n, n] fp32: a custom op, so torch.compile leaves the
     kernel as it is (and a CUDA graph records it)."""
     return _launch(_sinkhorn_fwd, iters, eps, comb)
 
@@ -301,7 +301,7 @@ def _hc_mix_parts(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, R: tl.constexpr, RP: tl
 def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_ptr, T, S, D, norm_eps, hc_eps,
             N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, STEPS: tl.constexpr, SB: tl.constexpr,
             BLOCK_D: tl.constexpr):
-    """Token program_id(0): its S partials -> h [D], post [N], comb [N, N]; the same steps as model_dsv4.hc_mixes,
+    """Token program_id(0): its S partials -> h [D], post [N], comb [N, N]; the same steps as mhc.hc_mixes,
     hc_split_sinkhorn and Block.hc_pre's sum. The partials are read in the shapes they are used in (pre and post
     [SB, NP], comb's [SB, NP, NP]), SB blocks of K at a time, and the weighted sum comes before the Sinkhorn, so that
     its loads need not wait for that loop."""

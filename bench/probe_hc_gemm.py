@@ -1,6 +1,6 @@
 """mHC's narrow fp32 GEMM (bench_2b: 4096 tokens x n*D = 6144 -> 24 mixes), forward and forward + backward, as one
 F.linear and as `chunks` batched GEMMs over slices of K, then summed (split-K). Session 5 ran it on an H200 to decide
-whether model_dsv4.hc_mixes should split (it should not: bench/RESULTS.md). python bench/probe_hc_gemm.py"""
+whether mhc.hc_mixes should split (it should not: bench/RESULTS.md). python bench/probe_hc_gemm.py"""
 import time
 
 import torch

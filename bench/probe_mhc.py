@@ -1,10 +1,10 @@
 """mHC under inductor on a GPU, bench_2b's sizes (4096 tokens, n = 4 streams of 1536, bf16): forms of its pieces,
 each compiled alone, with its first call (a cold cache compiles), its kernels per call and their time (from the
 profiler), and its time per call replayed as one CUDA graph (as in `--compile=graphs`, without launch costs):
-  - Sinkhorn with autograd (the training step): the batched loop (model_dsv4.sinkhorn) against the same loop with
+  - Sinkhorn with autograd (the training step): the batched loop (mhc.sinkhorn) against the same loop with
     its backward written out, the Triton kernels (kernels_triton.sinkhorn_triton) and each token's n x n entries as one
     row of n * n, summed under masks (below);
-  - Sinkhorn without autograd (the engine's decode): one tensor per entry (model_dsv4.sinkhorn_entries) against the
+  - Sinkhorn without autograd (the engine's decode): one tensor per entry (mhc.sinkhorn_entries) against the
     Triton kernel and the masked form;
   - a whole sublayer, forward+backward (Block.hc_pre, then Block.hc_post with the identity as the sublayer): the
     mixes as an fp32 GEMM (the reference) or on bf16 tensor cores (kernels.hc_mixes_bf16), with the batched loop or
@@ -26,6 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import mhc  # noqa: E402
 import model_dsv4 as m  # noqa: E402
 from kernels_triton import sinkhorn_triton  # noqa: E402
 from probe_timing import captured  # noqa: E402
@@ -142,7 +143,7 @@ def sinkhorns():
     logits = torch.randn(T, 4, 4, device=DEV, generator=g, requires_grad=True)
     dy = torch.randn(T, 4, 4, device=DEV, generator=g)
     want = None
-    forms = (("batched", m.sinkhorn), ("written backward", written_backward), ("triton", sinkhorn_triton))
+    forms = (("batched", mhc.sinkhorn), ("written backward", written_backward), ("triton", sinkhorn_triton))
     for name, form in forms + AGAIN:
         torch._dynamo.reset()
         f = torch.compile(lambda t, form=form: form(t.softmax(-1) + 1e-6, 20, 1e-6), backend=BACKEND)
@@ -158,7 +159,7 @@ def sinkhorns():
             dy_, dg = ((out[k] - w).abs().max() for k, w in zip("yg", want))
             print(f"    against batched: out {dy_:.1e}, grad {dg:.1e} (largest {want[1].abs().max():.1e})")
     with torch.no_grad():
-        for name, form in (("entries", m.sinkhorn_entries), ("triton", sinkhorn_triton)) + AGAIN:
+        for name, form in (("entries", mhc.sinkhorn_entries), ("triton", sinkhorn_triton)) + AGAIN:
             torch._dynamo.reset()
             f = torch.compile(lambda t, form=form: form(t.softmax(-1) + 1e-6, 20, 1e-6), backend=BACKEND)
             measure(f"Sinkhorn forward, no grad, {name}", lambda: f(logits))
@@ -187,12 +188,12 @@ def sublayers():
         h, post, comb = block.hc_pre(x, fn, scale, base)
         return block.hc_post(h, x, post, comb)
 
-    want, model_sinkhorn = None, m.sinkhorn
+    want, model_sinkhorn = None, mhc.sinkhorn
     batched = lambda comb, iters, eps, fast: model_sinkhorn(comb, iters, eps)  # the loop, whatever `fast` says
-    forms = {"batched": batched, "triton": model_sinkhorn}  # model_dsv4.sinkhorn takes the Triton kernel when fast
+    forms = {"batched": batched, "triton": model_sinkhorn}  # mhc.sinkhorn takes the Triton kernel when fast
     for fast, form in ((False, "batched"), (True, "batched"), (True, "triton")):
         torch._dynamo.reset()
-        block.fast, m.sinkhorn = fast, forms[form]  # hc_split_sinkhorn calls model_dsv4.sinkhorn
+        block.fast, mhc.sinkhorn = fast, forms[form]  # hc_split_sinkhorn calls mhc.sinkhorn
         f = torch.compile(sublayer, backend=BACKEND)
         out = {}
 
@@ -219,7 +220,7 @@ def sublayers():
                         key=lambda e: e.time_range.start)
             print(f"  {name}, {part}: {len(ks)} kernels, {sum(e.device_time for e in ks):.1f} us"
                   + "".join(f"\n    {e.device_time:7.1f} us {e.name[:110]}" for e in ks))
-    m.sinkhorn = model_sinkhorn
+    mhc.sinkhorn = model_sinkhorn
 
 
 if __name__ == "__main__":

@@ -49,10 +49,10 @@ def test_compile_layers_decode_as_close_as_eager(compile_layers):
 
 def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
     """What compile_layers swaps in for the engine's sampler draws the eager sampler's tokens, and the Sinkhorn loop
-    that compiled code takes without autograd (model_dsv4.sinkhorn_entries, one tensor per entry) gives the batched
+    that compiled code takes without autograd (mhc.sinkhorn_entries, one tensor per entry) gives the batched
     loop's mixes, and compiled code with autograd keeps the batched loop (mixes and gradient as eager's)."""
     import engine
-    from model_dsv4 import hc_split_sinkhorn
+    from mhc import hc_split_sinkhorn
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 500, generator=g) * 3
     params = torch.tensor([[1.0, 1.0, 500], [0.5, 1.0, 500], [0.0, 1.0, 500], [1.0, 0.9, 500], [1.0, 1.0, 7],

@@ -8,7 +8,8 @@ import torch
 
 from conftest import SMALL, TINY, randomize_
 from kernels import grouped_experts, hc_mixes_bf16, linear_f32, matmul_f32, split_bf16, window_attention
-from model_dsv4 import Transformer, hc_mixes, sink_attention
+from mhc import hc_mixes
+from model_dsv4 import Transformer, sink_attention
 
 CUDA = torch.cuda.is_available()
 

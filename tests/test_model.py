@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from conftest import SMALL, SMALL_16, TINY, TINY_16, randomize_
 from checkpoint import from_pretrained, save_pretrained
-from model_dsv4 import Transformer, hc_split_sinkhorn
+from mhc import hc_split_sinkhorn
+from model_dsv4 import Transformer
 
 transformers = pytest.importorskip("transformers")  # a test dependency: .ci/run installs it
 logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -1,5 +1,5 @@
 """kernels_triton.py's kernels against the code they replace: sinkhorn_triton (mHC's Sinkhorn loop as one Triton kernel
-forward and one backward) against model_dsv4.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
+forward and one backward) against mhc.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
 model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile, and in the whole model;
 hc_pre_triton (mHC's pre-mix for decode) against Block.hc_pre's reference, alone and in a model's forward without
 grad; and every Triton kernel of the project (kernels_decode.py's too, whose tests are test_decode_kernels.py)
@@ -17,10 +17,12 @@ import torch
 
 from kernels_triton import (hc_post_triton, hc_pre_triton,  # before triton: without a GPU it turns on the
                             sinkhorn_triton)                 # interpreter
+import mhc
 import model_dsv4
 import parallel
 from conftest import SMALL, TINY, randomize_
-from model_dsv4 import Block, Transformer, sinkhorn
+from mhc import sinkhorn
+from model_dsv4 import Block, Transformer
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
 
@@ -137,9 +139,11 @@ def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
     logits and every parameter's gradient against the reference model's, fp32, as test_kernels.py's whole-model test
     (hc_mult 4 and 2). Four of TINY's layers and one sequence of 20 or 16 tokens: the interpreter takes ~15 ms a
     program, and hc_post's kernels run a program a token."""
-    calls = []
+    calls, sinks = [], []
     monkeypatch.setattr(model_dsv4, "has_triton", lambda t: True)
+    monkeypatch.setattr(mhc, "has_triton", lambda t: True)
     monkeypatch.setattr(model_dsv4, "hc_post_triton", lambda *a: calls.append(1) or hc_post_triton(*a))
+    monkeypatch.setattr(mhc, "sinkhorn_triton", lambda *a: sinks.append(1) or sinkhorn_triton(*a))
     ref = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,
                      args.num_experts_per_tok, seed=4).to(DEV)
     fast = copy.deepcopy(ref).set_kernels(True)
@@ -149,7 +153,7 @@ def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
         logits = m.logits(parallel.stage_forward(m, None, ids, recompute=m is fast))
         logits.log_softmax(-1)[..., 0].sum().backward()
         out.append((logits, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
-    assert len(calls) == 2 * 2 * args.num_hidden_layers  # two sublayers a layer, forward and recomputed
+    assert len(calls) == len(sinks) == 2 * 2 * args.num_hidden_layers  # two sublayers a layer, forward and recomputed
     assert (out[0][0] - out[1][0]).abs().max() <= 1e-5 * out[1][0].abs().max()
     assert out[0][1].keys() == out[1][1].keys()
     top = max(b.abs().max() for b in out[1][1].values())  # a floor: a scalar summed over every token (hc_head_scale
