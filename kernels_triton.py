@@ -303,11 +303,14 @@ def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_
             BLOCK_D: tl.constexpr):
     """Token program_id(0): its S partials -> h [D], post [N], comb [N, N]; the same steps as mhc.hc_mixes,
     hc_split_sinkhorn and Block.hc_pre's sum. The partials are read in the shapes they are used in (pre and post
-    [SB, NP], comb's [SB, NP, NP]), SB blocks of K at a time, and the weighted sum comes before the Sinkhorn, so that
-    its loads need not wait for that loop."""
+    [SB, NP], comb's [SB, NP, NP]), SB blocks of K at a time. The streams' first BLOCK_D channels (all of them for
+    D <= BLOCK_D) are loaded before the partials, so that the two loads overlap, and the weighted sum comes before
+    the Sinkhorn, so that the stores need not wait for that loop."""
     t = tl.program_id(0).to(tl.int64)
-    i, sb = tl.arange(0, NP), tl.arange(0, SB)
+    i, sb, d = tl.arange(0, NP), tl.arange(0, SB), tl.arange(0, BLOCK_D)
     im, cm = i < N, (i[:, None] < N) & (i[None, :] < N)
+    K = N * D
+    x0 = tl.load(x_ptr + t * K + i[:, None] * D + d[None, :], mask=im[:, None] & (d < D)[None, :], other=0.0)
     pre, post = tl.zeros([NP], dtype=tl.float32), tl.zeros([NP], dtype=tl.float32)
     c, ss = tl.zeros([NP, NP], dtype=tl.float32), tl.zeros([SB], dtype=tl.float32)
     for s0 in range(0, S, SB):  # the split GEMM's partials, added in the same order for every token
@@ -321,12 +324,13 @@ def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_
         ss += tl.load(ss_ptr + s * T + t, mask=sm, other=0.0)
     norm = tl.rsqrt(tl.sum(ss, 0) / (N * D) + norm_eps)
     pre = tl.sigmoid(pre * norm * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=im, other=0.0)) + hc_eps
-    K = N * D
-    for d0 in range(0, D, BLOCK_D):  # the sublayer's input: the streams weighted by pre, summed in fp32
-        d = d0 + tl.arange(0, BLOCK_D)
-        xv = tl.load(x_ptr + t * K + i[:, None] * D + d[None, :], mask=im[:, None] & (d < D)[None, :], other=0.0)
-        tl.store(h_ptr + t * D + d, tl.sum(pre[:, None] * xv.to(tl.float32), 0).to(h_ptr.dtype.element_ty),
-                 mask=d < D)
+    # the sublayer's input: the streams weighted by pre, summed in fp32
+    tl.store(h_ptr + t * D + d, tl.sum(pre[:, None] * x0.to(tl.float32), 0).to(h_ptr.dtype.element_ty), mask=d < D)
+    for d0 in range(BLOCK_D, D, BLOCK_D):
+        dd = d0 + d
+        xv = tl.load(x_ptr + t * K + i[:, None] * D + dd[None, :], mask=im[:, None] & (dd < D)[None, :], other=0.0)
+        tl.store(h_ptr + t * D + dd, tl.sum(pre[:, None] * xv.to(tl.float32), 0).to(h_ptr.dtype.element_ty),
+                 mask=dd < D)
     post = 2 * tl.sigmoid(post * norm * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i, mask=im, other=0.0))
     tl.store(post_ptr + t * N + i, post, mask=im)
     at = 2 * N + i[:, None] * N + i[None, :]  # comb's logits, a softmax over each row (padding: -inf, then 0)
