@@ -482,3 +482,49 @@ def pair_order_triton(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
 
 pair_order_triton.register_fake(lambda flat, n_experts: (torch.empty_like(flat), torch.empty_like(flat),
                                                           flat.new_empty(n_experts)))
+
+
+# ----------------------------------------------------------------------------- a decode step's query norm and RoPE
+# Attention.query ends with a per-head RMSNorm of q (no weight; the factor rounded to q's dtype, as the reference
+# multiplies in it) and RoPE on each head's last rd dims. Inductor wrote that as a reduction and a pointwise kernel
+# that took 4.8 us an HCA layer in session 26's calls 1-2 and 17.7 us in call 3 (its pointwise configs are picked by
+# timing at the first call). Here a program takes one token's block of heads: the rows for the norm, then the rope
+# dims again as even and odd halves, rotated pairwise by the token's cos and sin.
+
+@_jit
+def _q_norm_rope(q_ptr, cos_ptr, sin_ptr, out_ptr, H, d, eps, RH: tl.constexpr, DP: tl.constexpr,
+                 HB: tl.constexpr):
+    """Token program_id(0), heads program_id(1) * HB..: q [N, H, d] -> out [N, H, d]; cos, sin [N, RH] fp32 (RH pairs
+    on the last 2 * RH dims)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)
+    c, j = tl.arange(0, DP), tl.arange(0, RH)
+    hm = h < H
+    row = q_ptr + (t * H + h[:, None]) * d
+    x = tl.load(row + c[None, :], mask=hm[:, None] & (c < d)[None, :], other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 1) / d + eps).to(out_ptr.dtype.element_ty).to(tl.float32)[:, None]
+    dt = out_ptr.dtype.element_ty
+    base = out_ptr + (t * H + h[:, None]) * d
+    tl.store(base + c[None, :], (x * r).to(dt), mask=hm[:, None] & (c < d - 2 * RH)[None, :])  # no rotation
+    even = d - 2 * RH + 2 * j[None, :]
+    x0 = (tl.load(row + even, mask=hm[:, None], other=0.0).to(tl.float32) * r).to(dt).to(tl.float32)
+    x1 = (tl.load(row + even + 1, mask=hm[:, None], other=0.0).to(tl.float32) * r).to(dt).to(tl.float32)
+    cos, sin = tl.load(cos_ptr + t * RH + j)[None, :], tl.load(sin_ptr + t * RH + j)[None, :]
+    tl.store(base + even, (x0 * cos - x1 * sin).to(dt), mask=hm[:, None])
+    tl.store(base + even + 1, (x0 * sin + x1 * cos).to(dt), mask=hm[:, None])
+
+
+@torch.library.custom_op("nano_dsv4::q_norm_rope", mutates_args=())
+def q_norm_rope_triton(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Attention.query's end: q [B, T, H, d] -> q * rsqrt(mean(q^2) + eps) per head (the factor in q's dtype), then
+    RoPE on the last 2 * cos.shape[-1] dims (apply_rope); cos, sin fp32, [B, T, rd/2] or [T, rd/2]."""
+    B, T, H, d = q.shape
+    cos, sin = (a.expand(B, T, a.shape[-1]).reshape(B * T, -1).float().contiguous() for a in (cos, sin))
+    out = torch.empty_like(q)
+    hb = min(4, triton.next_power_of_2(H))
+    _q_norm_rope[(B * T, triton.cdiv(H, hb))](q.contiguous(), cos, sin, out, H, d, eps, RH=cos.shape[1],
+                                              DP=triton.next_power_of_2(d), HB=hb, num_warps=4)
+    return out
+
+
+q_norm_rope_triton.register_fake(lambda q, *rest: torch.empty_like(q))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kernels import (PathInvariant, fuse_rows_, grouped_experts, is_fused, is_stacked, linear_f32, matmul_f32,
                      stack_experts_, window_attention)
 from kernels_triton import HC_PRE_TOKENS, has_triton, hc_post_triton, hc_pre_triton
-from kernels_decode import pair_order_triton, route_triton
+from kernels_decode import pair_order_triton, q_norm_rope_triton, route_triton
 from mhc import hc_head, hc_mixes, hc_split_sinkhorn
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
@@ -397,6 +397,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         qr = self.q_norm(self.wq_a(x) if qa is None else qa)
         q = self.wq_b(qr).view(B, T, self.n_heads, self.head_dim)
+        if self.fast and T == 1 and has_triton(q) and not torch.is_grad_enabled():  # decode: one Triton kernel
+            return q_norm_rope_triton(q, cos, sin, self.args.rms_norm_eps), qr
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.args.rms_norm_eps).to(q.dtype)
         return apply_rope(q, cos[:, None], sin[:, None]), qr
 

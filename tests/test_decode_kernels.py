@@ -1,8 +1,8 @@
 """kernels_decode.py's kernels against the code they replace: decode_attention_triton against model_dsv4.sink_attention
 on the gathered keys, alone and in the engine's decode; experts_triton against kernels.grouped_experts and
 Expert.forward, alone and in the model's forward without grad; compress_pool_triton against Compressor.pool, alone and
-in the engine's decode; sample_triton against engine.sample_tokens, alone and in the engine (the routing kernels:
-test_routing_kernels.py). Without a GPU, Triton's interpreter runs them on CPU tensors (kernels_triton.py turns it
+in the engine's decode; sample_triton against engine.sample_tokens, alone and in the engine; q_norm_rope_triton
+against Attention.query (the routing kernels: test_routing_kernels.py). Without a GPU, Triton's interpreter runs them on CPU tensors (kernels_triton.py turns it
 on); test_triton.py compiles them for sm_90 and gfx950."""
 import copy
 from types import SimpleNamespace
@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from kernels_decode import (compress_pool_triton, decode_attention_triton,  # before triton: without a GPU it turns
-                            experts_triton, sample_triton)                    # on the interpreter
+                            experts_triton, q_norm_rope_triton, sample_triton)  # on the interpreter
 import engine
 import kernels
 import kv_cache
+from kernels_triton import INTERPRETED
+import model_dsv4
 from conftest import TINY, randomize_
-from model_dsv4 import Compressor, Expert, Transformer, sink_attention
+from model_dsv4 import Attention, Compressor, Expert, Transformer, rope_cos_sin, sink_attention
 from test_triton import FOUR
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
@@ -206,3 +208,33 @@ def test_engine_samples_on_triton_as_on_the_reference(monkeypatch):
         for a, b in zip(runs[True, top_p], runs[False, top_p]):
             assert a.output_ids == b.output_ids
             assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_norm_rope_triton_equals_query(dtype, monkeypatch):
+    """Attention.query's per-head norm and RoPE in one kernel, which the query takes for one token a sequence without
+    grad when the kernels are on: TINY's layer 2 (YaRN RoPE), 5 sequences at their own positions (cos [B, 1, rd/2])
+    and one of 3 tokens at positions 0-2 (cos [T, rd/2], as a prefill gives it), against the reference path. fp32:
+    to 1e-6 of the largest value; bf16: a rounding apart (2^-8 of the largest value), four under the interpreter,
+    which truncates where the GPU rounds (the factor, the product, the rotation)."""
+    calls = []
+    monkeypatch.setattr(model_dsv4, "has_triton", lambda t: True)
+    monkeypatch.setattr(model_dsv4, "q_norm_rope_triton", lambda *a: calls.append(1) or q_norm_rope_triton(*a))
+    g = torch.Generator().manual_seed(2)
+    attn = randomize_(Attention(2, TINY), TINY.n_routed_experts, TINY.num_experts_per_tok, seed=2).to(DEV, dtype)
+    x = torch.randn(5, 1, TINY.hidden_size, generator=g).to(DEV, dtype)
+    cos, sin = rope_cos_sin(TINY, attn.ratio, torch.tensor([[3], [70], [5], [0], [1000]]).to(DEV))
+    with torch.no_grad():
+        got, ref = [], []
+        for fast, out in ((True, got), (False, ref)):
+            attn.fast = fast
+            out.append(attn.query(x, cos, sin)[0])
+            c, s = rope_cos_sin(TINY, attn.ratio, torch.arange(3).to(DEV))
+            out.append(q_norm_rope_triton(attn.wq_b(attn.q_norm(attn.wq_a(x[:1].expand(1, 3, -1)))).view(
+                1, 3, TINY.num_attention_heads, -1), c, s, TINY.rms_norm_eps) if fast else attn.query(
+                x[:1].expand(1, 3, -1), c, s)[0])
+    assert len(calls) == 1  # the decode-shaped query; the 3-token one above called the op directly
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -6 if INTERPRETED else 2 ** -8
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max(), (a - b).abs().max()

@@ -219,7 +219,8 @@ def test_kernels_compile_for_h200_and_mi355x():
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512; the experts' two kernels; the
     compressor's pooling with and without overlap; the sampler's two kernels; hc_pre's two at bench_2b's sizes (the
     mixes' tl.dot in each backend's precision, kernels_triton.hc_dot); the router (hash and learned, 256 experts)
-    and the pairs' ordering. In a subprocess: this process's kernels are interpreted."""
+    and the pairs' ordering; the query's norm and RoPE at head dim 512. In a subprocess: this process's kernels are
+    interpreted."""
     code = """
 import kernels_decode as kd, kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
@@ -248,6 +249,8 @@ kernels += [(kd._route, {"K": 6, "KP": 8, "EP": 256, "BT": kd.ROUTE_BT, "FUNC": 
              {**route, "table_ptr": "*i64" if h else "*fp32"}, (), 4) for h in (True, False)]
 kernels += [(kd._pair_order, {"BP": kd.ORDER_BP, "BQ": kd.ORDER_BQ}, {"P": "i32", "E": "i32", "PAIR_PROGRAMS": "i32",
              **{a: "*i64" for a in ("flat_ptr", "order_ptr", "inv_ptr", "count_ptr")}}, (), 4)]
+kernels += [(kd._q_norm_rope, {"RH": 32, "DP": 512, "HB": 4}, {"H": "i32", "d": "i32", "eps": "fp32"},
+             ("q_ptr", "out_ptr"), 4)]
 sizes = {"V": "i32", "CHUNK": "i32", "S": "i32"}
 kernels += [(kd._sample_sums, {"BLOCK": kd.SAMPLE_BLOCK}, sizes, (), 4),
             (kd._sample_pick, {"SP": 16, "BLOCK": kd.SAMPLE_BLOCK}, {**sizes, "greedy_ptr": "*u8", "draws_ptr": "*i64",
@@ -265,4 +268,4 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 32, out.stdout
+    assert out.stdout.count("compiled") == 34, out.stdout
