@@ -9,7 +9,7 @@ import json
 
 KINDS = [  # (kind, what its kernels' names hold, lower case), first match wins
     ("Triton, ours", ("_hc_post", "_hc_pre", "_hc_mix", "_sinkhorn", "_decode_attn", "_experts_", "_compress_pool",
-                      "_sample_", "_route", "_pair_order")),
+                      "_q_norm", "_sample_", "_route", "_pair_order")),
     ("inductor pointwise", ("triton_poi",)),
     ("inductor reduction", ("triton_red", "triton_per")),
     ("grouped GEMM", ("groupproblemshape", "grouped_gemm")),  # torch._grouped_mm's CUTLASS kernels
