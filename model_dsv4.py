@@ -188,7 +188,6 @@ class RMSNorm(nn.Module):
 
 
 @lru_cache(maxsize=64)
-@torch.compiler.assume_constant_result  # compiled code takes the cached tensor as a constant, not its computation
 def rope_inv_freq(rd, theta, scaling_items=None, device="cpu"):
     """Per-pair inverse frequencies theta_i = base^(-2i/rd); YaRN blends in theta_i/factor (no mscale, spec §2.4)."""
     inv = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))

@@ -85,23 +85,6 @@ def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
     assert counts == {False: 5, True: 0}, counts
 
 
-def test_compiled_rope_takes_its_frequencies_as_a_constant():
-    """Compiled code takes RoPE's inverse frequencies (model_dsv4.rope_inv_freq, YaRN's blend included) as a cached
-    constant: dynamo's graph of a decode step's angles has no arange or pow left (it traced their computation into
-    every compiled layer before: a kernel a layer each decode step, session 26's trace), and gives eager's angles."""
-    from model_dsv4 import rope_cos_sin
-    args = copy.deepcopy(SMALL)
-    pos = torch.tensor([[3], [70], [5]])
-    for ratio in (0, 4):  # the plain base, and the compress base with YaRN (SMALL's rope_scaling)
-        f = lambda p: rope_cos_sin(args, ratio, p)
-        torch._dynamo.reset()
-        graph = torch._dynamo.explain(f)(pos).graphs[0]
-        targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
-        assert torch.arange not in targets and not any(t in targets for t in (pow, torch.pow)), targets
-        for a, b in zip(torch.compile(f, backend="aot_eager")(pos), f(pos)):
-            assert torch.equal(a, b)
-
-
 CPU_ONLY = pytest.mark.skipif(CUDA, reason="the refusal is for machines without a GPU")
 
 
