@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Written in session 26 for the next session's first call. Not yet run on a GPU: hc_pre's mixes in tf32x3 on CUDA
 # (kernels_triton.hc_dot, chosen from session 26's probe), its second kernel loading the streams before the partials,
-# the router reading its logits in place, the query's norm and RoPE as one kernel (kernels_decode.q_norm_rope_triton). The kernels' GPU tests, the hc_pre probe (with the second kernel's
-# breakdown), decode at batch 64 against transformers with the step's trace; then, if time is left, decode at 256.
+# the router reading its logits in place, the query's norm and RoPE as one kernel (kernels_decode.q_norm_rope_triton).
+# The kernels' GPU tests, the hc_pre probe (with the second kernel's breakdown), decode at batch 64 against
+# transformers with the step's trace. Decode at 256 is for a second call.
 source bench/gpu_prelude.sh
 step tests 160 python -m pytest -q -p no:cacheprovider tests/test_triton.py tests/test_decode_kernels.py tests/test_routing_kernels.py tests/test_kernels_engine.py
 step hcpre 60 python bench/probe_hc_pre.py
