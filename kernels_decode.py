@@ -9,8 +9,9 @@ the two agree, alone and in the engine; tests/test_triton.py compiles them for s
   - compress_pool_triton: a decode step's compressor pooling (model_dsv4.Compressor.pool over each sequence's cached
     window) for the sequences whose window completes at this token, reading nothing for the others.
   - sample_triton: the engine's sampler (engine.sample_tokens without top-p and top-k) over chunks of the vocabulary.
-  - route_triton and pair_order_triton: the router without grad (model_dsv4.Gate.forward from its logits: scores,
-    top-k, weights) and a decode step's (token, pick) pairs put in expert order (model_dsv4.expert_order's count).
+  - q_norm_rope_triton: the query's per-head norm and RoPE in a decode step (the end of model_dsv4.Attention.query).
+
+The router's kernels are in kernels_route.py.
 
 All but the sampler are torch.library custom ops, as kernels_triton.py's are (compiled layers call them); the sampler
 runs outside compiled code. kernels_triton is imported first (it turns on Triton's interpreter without a GPU, before
@@ -356,132 +357,6 @@ def sample_triton(logits, temp, greedy, draws, chunk=SAMPLE_CHUNK):
                          chunk, S, SP=triton.next_power_of_2(S), BLOCK=block, num_warps=4)
     j = best.argmax(1, keepdim=True)  # the first chunk of equal scores
     return torch.stack([idx.gather(1, j)[:, 0].double(), lp.gather(1, j)[:, 0].double()])
-
-
-# ----------------------------------------------------------------------------- a decode step's routing
-# The router's scores, top-k and weights (model_dsv4.Gate.forward) were ~6 kernels a layer in a decode step (the
-# scoring, torch.topk's gather and sort, the weights' gather and normalisation), and the count sort of the (token,
-# pick) pairs by expert (model_dsv4.expert_order) with its counts and inverse two more. Here they are two kernels:
-# route_triton takes 16 tokens a program, their logits rows in registers, and picks the top k by k passes of a
-# row max (the lowest expert of equal scores first); pair_order_triton gives each pair its row in expert order by
-# counting the pairs before it, and each expert its count.
-
-ROUTE_BT = 16  # tokens a routing program
-ORDER_BP, ORDER_BQ = 16, 1024  # an ordering program's pairs (or experts), and the pairs it compares them with at once
-
-
-@_jit
-def _log1p(y):
-    """log(1 + y) for y >= 0 to a few roundings, small y included (Goldberg's form: log(u) * y / (u - 1))."""
-    u = 1.0 + y
-    return tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
-
-
-@_jit
-def _route(logits_ptr, table_ptr, ids_ptr, w_ptr, idx_ptr, N, E, row, scale, K: tl.constexpr, KP: tl.constexpr,
-           EP: tl.constexpr, BT: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr):
-    """Tokens program_id(0) * BT..: logits [N, E] fp32 (rows `row` apart) -> w [N, K] fp32, idx [N, K] int64. FUNC 0
-    softmax, 1 sigmoid, 2 sqrt(softplus); HASH: idx = table[ids[t]] (table [vocab, K]), else the top K of score +
-    table (the bias [E])."""
-    t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    e, j = tl.arange(0, EP), tl.arange(0, KP)
-    tm, em = t < N, e < E
-    x = tl.load(logits_ptr + tl.minimum(t, N - 1)[:, None] * row + e[None, :], mask=em[None, :], other=0.0)
-    if FUNC == 0:  # (tokens past N: a copy of the last one, not stored)
-        x = tl.where(em[None, :], x, float("-inf"))
-        s = tl.exp(x - tl.max(x, 1)[:, None])
-        s = s / tl.sum(s, 1)[:, None]
-    elif FUNC == 1:
-        s = tl.sigmoid(x)
-    else:  # F.softplus: x above 20 as it is
-        s = tl.sqrt(tl.where(x > 20.0, x, _log1p(tl.exp(tl.minimum(x, 20.0)))))
-    s = tl.where(em[None, :], s, 0.0)
-    if HASH:
-        ids = tl.load(ids_ptr + t, mask=tm, other=0)
-        idx = tl.load(table_ptr + ids[:, None] * K + j[None, :], mask=tm[:, None] & (j < K)[None, :], other=0)
-    else:
-        sel = tl.where(em[None, :], s + tl.load(table_ptr + e, mask=em, other=0.0)[None, :], float("-inf"))
-        idx = tl.zeros([BT, KP], dtype=tl.int64)
-        for k in tl.static_range(K):  # the highest score left, then out of the running
-            top = tl.min(tl.where(sel == tl.max(sel, 1)[:, None], e[None, :], EP), 1)
-            idx = tl.where(j[None, :] == k, top[:, None].to(tl.int64), idx)
-            sel = tl.where(e[None, :] == top[:, None], float("-inf"), sel)
-    w = tl.zeros([BT, KP], dtype=tl.float32)
-    for k in tl.static_range(K):  # the picks' scores, in pick order
-        pick = tl.sum(tl.where(j[None, :] == k, idx, 0), 1)
-        w = tl.where(j[None, :] == k, tl.sum(tl.where(e[None, :] == pick[:, None], s, 0.0), 1)[:, None], w)
-    if NORM:
-        w = w / tl.sum(w, 1)[:, None]
-    out = t[:, None] * K + j[None, :]
-    om = tm[:, None] & (j < K)[None, :]
-    tl.store(w_ptr + out, w * scale, mask=om)
-    tl.store(idx_ptr + out, idx, mask=om)
-
-
-@torch.library.custom_op("nano_dsv4::route", mutates_args=())
-def route_triton(logits: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, k: int, func: str, hash: bool,
-                 norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """model_dsv4.Gate.forward from its logits [N, E] fp32: func the scoring ("softmax", "sigmoid", "sqrtsoftplus"),
-    table the bias [E] or (hash) tid2eid [vocab, k], ids [N] the tokens (read by hash layers) -> weights [N, k] fp32
-    (normalised if norm, times scale), expert ids [N, k] int64. The logits may be a slice of wider rows (the decode's
-    fused projections): read in place."""
-    N, E = logits.shape
-    w, idx = logits.new_empty(N, k), ids.new_empty(N, k, dtype=torch.int64)
-    logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    _route[(triton.cdiv(N, ROUTE_BT),)](logits, table.contiguous(), ids.contiguous(), w, idx, N, E, logits.stride(0),
-                                        scale, K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E),
-                                        BT=ROUTE_BT, FUNC=("softmax", "sigmoid", "sqrtsoftplus").index(func),
-                                        HASH=hash, NORM=norm, num_warps=4)
-    return w, idx
-
-
-route_triton.register_fake(lambda logits, table, ids, k, *rest: (
-    logits.new_empty(logits.shape[0], k), ids.new_empty(logits.shape[0], k, dtype=torch.int64)))
-
-
-@_jit
-def _pair_order(flat_ptr, order_ptr, inv_ptr, count_ptr, P, E, PAIR_PROGRAMS, BP: tl.constexpr, BQ: tl.constexpr):
-    """Programs below PAIR_PROGRAMS: pairs p = program_id(0) * BP.. get row inv[p] = the pairs of lower experts plus
-    those of p's expert before p, and order[inv[p]] = p. The others: experts e.. get count[e], their pairs. The
-    other pairs are read BQ at a time: all of a decode step's in one load (up to ORDER_BQ)."""
-    pid = tl.program_id(0)
-    q0 = tl.arange(0, BQ)
-    if pid < PAIR_PROGRAMS:
-        p = pid * BP + tl.arange(0, BP)
-        pm = p < P
-        ep = tl.load(flat_ptr + p, mask=pm, other=0)
-        row = tl.zeros([BP], dtype=tl.int32)
-        for start in range(0, P, BQ):
-            q = start + q0
-            eq = tl.load(flat_ptr + q, mask=q < P, other=E)  # past the end: after every expert
-            before = (eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None]))
-            row += tl.sum(before.to(tl.int32), 1)
-        tl.store(inv_ptr + p, row.to(tl.int64), mask=pm)
-        tl.store(order_ptr + row, p.to(tl.int64), mask=pm)
-    else:
-        e = (pid - PAIR_PROGRAMS) * BP + tl.arange(0, BP)
-        n = tl.zeros([BP], dtype=tl.int32)
-        for start in range(0, P, BQ):
-            q = start + q0
-            eq = tl.load(flat_ptr + q, mask=q < P, other=E)
-            n += tl.sum((eq[None, :] == e[:, None]).to(tl.int32), 1)
-        tl.store(count_ptr + e, n.to(tl.int64), mask=e < E)
-
-
-@torch.library.custom_op("nano_dsv4::pair_order", mutates_args=())
-def pair_order_triton(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """model_dsv4.expert_order's count sort: flat [P] int64 expert ids -> order [P], inv [P], counts [n_experts]."""
-    P = flat.shape[0]
-    order, inv, counts = flat.new_empty(P), flat.new_empty(P), flat.new_empty(n_experts)
-    pair_programs = triton.cdiv(P, ORDER_BP)
-    _pair_order[(pair_programs + triton.cdiv(n_experts, ORDER_BP),)](
-        flat.contiguous(), order, inv, counts, P, n_experts, pair_programs, BP=ORDER_BP,
-        BQ=min(ORDER_BQ, triton.next_power_of_2(P)), num_warps=4)
-    return order, inv, counts
-
-
-pair_order_triton.register_fake(lambda flat, n_experts: (torch.empty_like(flat), torch.empty_like(flat),
-                                                          flat.new_empty(n_experts)))
 
 
 # ----------------------------------------------------------------------------- a decode step's query norm and RoPE

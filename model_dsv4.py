@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from kernels import (PathInvariant, fuse_rows_, grouped_experts, is_fused, is_stacked, linear_f32, matmul_f32,
                      stack_experts_, window_attention)
 from kernels_triton import HC_PRE_TOKENS, has_triton, hc_post_triton, hc_pre_triton
-from kernels_decode import pair_order_triton, q_norm_rope_triton, route_triton
+from kernels_decode import q_norm_rope_triton
+from kernels_route import pair_order_triton, route_triton
 from mhc import hc_head, hc_mixes, hc_split_sinkhorn
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
@@ -577,7 +578,7 @@ def expert_order(flat, n_experts, count=False, fast=False):
     id (a GPU's takes one pass per byte of key: 8 for int64, ~50 us for bench_2b's 24576 pairs in 12 layers on an
     H200). count (a decode step's few hundred pairs): pair p's row is the number of pairs of lower experts plus its
     own expert's pairs before it, from an [E, P] table (torch.compile sorted bench_2b's 384 in one 14 us kernel a
-    layer on an H200, session 23; fast, without grad on a GPU: kernels_decode.pair_order_triton). All give the same
+    layer on an H200, session 23; fast, without grad on a GPU: kernels_route.pair_order_triton). All give the same
     order.
     Also the pairs per expert [n_experts] (scatter_add, not bincount, which reads the max id back to the host)."""
     if count and fast and has_triton(flat) and not torch.is_grad_enabled():

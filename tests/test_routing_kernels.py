@@ -1,4 +1,4 @@
-"""kernels_decode.py's routing kernels against the code they replace: route_triton against model_dsv4.Gate.forward and
+"""kernels_route.py's kernels against the code they replace: route_triton against model_dsv4.Gate.forward and
 pair_order_triton against a stable sort, alone and in the model's forward without grad. Without a GPU, Triton's
 interpreter runs them on CPU tensors (kernels_triton.py turns it on); test_triton.py compiles them for sm_90 and
 gfx950."""
@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels_decode import pair_order_triton, route_triton  # before triton: without a GPU it turns on the interpreter
-import kernels_decode
+from kernels_route import pair_order_triton, route_triton  # before triton: without a GPU it turns on the interpreter
+import kernels_route
 import model_dsv4
 from conftest import TINY, randomize_
 from model_dsv4 import Gate, MoE, Transformer
@@ -48,7 +48,7 @@ def test_pair_order_triton_equals_the_stable_sort(P, E, bq, monkeypatch):
     """A decode step's (token, pick) pairs put in expert order: order and its inverse equal a stable argsort's, the
     counts bincount's; pairs past a block, experts over 256, experts with no pair, and the pairs compared in several
     loads (256 at a time)."""
-    monkeypatch.setattr(kernels_decode, "ORDER_BQ", bq)
+    monkeypatch.setattr(kernels_route, "ORDER_BQ", bq)
     flat = torch.randint(0, E, (P,), generator=torch.Generator().manual_seed(P)).to(DEV)
     order, inv, counts = pair_order_triton(flat, E)
     ref = flat.argsort(stable=True)

@@ -222,7 +222,7 @@ def test_kernels_compile_for_h200_and_mi355x():
     and the pairs' ordering; the query's norm and RoPE at head dim 512. In a subprocess: this process's kernels are
     interpreted."""
     code = """
-import kernels_decode as kd, kernels_triton as kt, triton
+import kernels_decode as kd, kernels_route as kr, kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 # (kernel, constexprs, scalar arguments, bf16 pointers (the others fp32), warps)
@@ -245,9 +245,9 @@ kernels += [(kt._hc_mix_parts, {"R": 24, "RP": 32, "BT": kt.HC_BT, "BK": kt.HC_B
             (kt._hc_pre, {"N": 4, "NP": 4, "RP": 32, "STEPS": 39, "SB": 64, "BLOCK_D": 2048},
              {a: "i32" for a in ("T", "S", "D")} | {"norm_eps": "fp32", "hc_eps": "fp32"}, ("x_ptr", "h_ptr"), 4)]
 route = {"N": "i32", "E": "i32", "row": "i32", "scale": "fp32", "ids_ptr": "*i64", "idx_ptr": "*i64"}
-kernels += [(kd._route, {"K": 6, "KP": 8, "EP": 256, "BT": kd.ROUTE_BT, "FUNC": 2, "HASH": h, "NORM": True},
+kernels += [(kr._route, {"K": 6, "KP": 8, "EP": 256, "BT": kr.ROUTE_BT, "FUNC": 2, "HASH": h, "NORM": True},
              {**route, "table_ptr": "*i64" if h else "*fp32"}, (), 4) for h in (True, False)]
-kernels += [(kd._pair_order, {"BP": kd.ORDER_BP, "BQ": kd.ORDER_BQ}, {"P": "i32", "E": "i32", "PAIR_PROGRAMS": "i32",
+kernels += [(kr._pair_order, {"BP": kr.ORDER_BP, "BQ": kr.ORDER_BQ}, {"P": "i32", "E": "i32", "PAIR_PROGRAMS": "i32",
              **{a: "*i64" for a in ("flat_ptr", "order_ptr", "inv_ptr", "count_ptr")}}, (), 4)]
 kernels += [(kd._q_norm_rope, {"RH": 32, "DP": 512, "HB": 4}, {"H": "i32", "d": "i32", "eps": "fp32"},
              ("q_ptr", "out_ptr"), 4)]
