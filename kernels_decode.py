@@ -1,6 +1,6 @@
 """
 The engine's decode-step kernels, each beside the plain reference it replaces (tests/test_decode_kernels.py checks that
-the two agree, alone and in the engine; tests/test_triton.py compiles them for sm_90 and gfx950):
+the two agree, alone and in the engine; tests/test_kernel_builds.py compiles them for sm_90 and gfx950):
 
   - decode_attention_triton: the engine's decode attention (kv_cache.py; model_dsv4.sink_attention over each
     sequence's cached window keys and compressed entries) as one kernel that reads the keys in place.

@@ -1,6 +1,6 @@
 """
 The router's Triton kernels, each beside the code it replaces (tests/test_routing_kernels.py checks that the two agree,
-alone and in the model's forward; tests/test_triton.py compiles them for sm_90 and gfx950):
+alone and in the model's forward; tests/test_kernel_builds.py compiles them for sm_90 and gfx950):
 
   - route_triton: the router without grad (model_dsv4.Gate.forward from its logits: scores, top-k, weights).
   - pair_order_triton: a decode step's (token, pick) pairs put in expert order (model_dsv4.expert_order's count).

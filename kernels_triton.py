@@ -1,6 +1,7 @@
 """
 The project's Triton kernels for mHC, each beside the plain reference it replaces (tests/test_triton.py checks that the
-two agree, forward and backward, and compiles every Triton kernel of the project for sm_90 and gfx950):
+two agree, forward and backward; tests/test_kernel_builds.py compiles every Triton kernel of the project for sm_90
+and gfx950):
 
   - sinkhorn_triton: mHC's Sinkhorn loop (mhc.sinkhorn) as one kernel forward and one backward.
   - hc_post_triton: mHC's write-back of a sublayer into the n streams (model_dsv4.Block.hc_post) as one kernel
@@ -87,7 +88,7 @@ def _sums(x, s):
     if s % 2 == 0:
         r = tl.broadcast_to(tl.sum(x, 1)[:, None, :], x.shape)
     else:  # (one shape from both branches: Triton's compiler needs that unless s is a constant; its interpreter
-        # does not check, tests/test_triton.py compiles the kernels for that)
+        # does not check, tests/test_kernel_builds.py compiles the kernels for that)
         r = tl.broadcast_to(tl.sum(x, 2)[:, :, None], x.shape)
     return r
 

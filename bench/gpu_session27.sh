@@ -5,7 +5,7 @@
 # The kernels' GPU tests, the hc_pre probe (with the second kernel's breakdown), decode at batch 64 against
 # transformers with the step's trace. Decode at 256 is for a second call.
 source bench/gpu_prelude.sh
-step tests 160 python -m pytest -q -p no:cacheprovider tests/test_triton.py tests/test_decode_kernels.py tests/test_routing_kernels.py tests/test_kernels_engine.py
+step tests 160 python -m pytest -q -p no:cacheprovider tests/test_triton.py tests/test_decode_kernels.py tests/test_routing_kernels.py tests/test_kernel_builds.py tests/test_kernels_engine.py
 step hcpre 60 python bench/probe_hc_pre.py
 step decode64 250 python bench.py --what=decode --model=$B2 --seq=32 --batch=64 --new_tokens=1024 --dtype=bfloat16 --compile=layers --profile --trace=$O/dtrace.json
 step summary 20 python bench/trace_summary.py $O/dtrace.json --top=30 --per=4 --order=120:60

@@ -3,7 +3,7 @@ on the gathered keys, alone and in the engine's decode; experts_triton against k
 Expert.forward, alone and in the model's forward without grad; compress_pool_triton against Compressor.pool, alone and
 in the engine's decode; sample_triton against engine.sample_tokens, alone and in the engine; q_norm_rope_triton
 against Attention.query (the routing kernels: test_routing_kernels.py). Without a GPU, Triton's interpreter runs them
-on CPU tensors (kernels_triton.py turns it on); test_triton.py compiles them for sm_90 and gfx950."""
+on CPU tensors (kernels_triton.py turns it on); test_kernel_builds.py compiles them for sm_90 and gfx950."""
 import copy
 from types import SimpleNamespace
 

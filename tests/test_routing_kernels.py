@@ -1,6 +1,6 @@
 """kernels_route.py's kernels against the code they replace: route_triton against model_dsv4.Gate.forward and
 pair_order_triton against a stable sort, alone and in the model's forward without grad. Without a GPU, Triton's
-interpreter runs them on CPU tensors (kernels_triton.py turns it on); test_triton.py compiles them for sm_90 and
+interpreter runs them on CPU tensors (kernels_triton.py turns it on); test_kernel_builds.py compiles them for sm_90 and
 gfx950."""
 import copy
 from dataclasses import replace
