@@ -182,15 +182,19 @@ def bench_decode(ours, ref, args, device, versions):
         print(f"  {name:14s} {n / t:10.0f} tokens/s   ({t:.2f} s, {t / cli.new_tokens * 1e3:.2f} ms/step; "
               f"warm-up {t1 - t0:.0f} s)", flush=True)
     same = sum(a == b for a, b in zip(outputs["nano-dsv4-rl"], outputs.get("transformers", [])))
-    # the model's step alone (on a GPU one CUDA graph replay), without sampling and scheduling on the host
-    slots, pos = torch.arange(cli.batch, device=device), torch.full((cli.batch,), cli.seq, device=device)
-    engine.decode(slots, prompts[:, 0], pos)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(20):
+    # the model's step alone (on a GPU one CUDA graph replay), without sampling and scheduling on the host: at the
+    # prompts' end and at the run's mean context (the caches still hold the run's sequences), where the floor is taken
+    slots = torch.arange(cli.batch, device=device)
+    t_model = []
+    for at in (cli.seq, cli.seq + cli.new_tokens // 2):
+        pos = torch.full((cli.batch,), at, device=device)
         engine.decode(slots, prompts[:, 0], pos)
-    sync(device)
-    t_model = (time.perf_counter() - t0) / 20
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            engine.decode(slots, prompts[:, 0], pos)
+        sync(device)
+        t_model.append((at, (time.perf_counter() - t0) / 20))
     t0 = time.perf_counter()  # the prefill of the batch's prompts (eager) and its first token, part of the rest
     run_ours(1)
     sync(device)
@@ -217,10 +221,12 @@ def bench_decode(ours, ref, args, device, versions):
     if not cli.no_peer:
         print(f"  ratio ours / transformers: {times['transformers'] / times['nano-dsv4-rl']:.2f}x; "
               f"identical greedy outputs: {same}/{cli.batch} sequences")
-    print(f"  ours, the model's decode step alone: {t_model * 1e3:.2f} ms; the rest of a step (sampling, scheduling): "
-          f"{(times['nano-dsv4-rl'] / cli.new_tokens - t_model) * 1e3:.2f} ms, of which the prefill and first token "
+    (p0, t0m), (p1, t1m) = t_model
+    print(f"  ours, the model's decode step alone: {t0m * 1e3:.2f} ms at position {p0}, {t1m * 1e3:.2f} ms at {p1} "
+          f"(the mean context); the rest of a step (sampling, scheduling): "
+          f"{(times['nano-dsv4-rl'] / cli.new_tokens - t1m) * 1e3:.2f} ms, of which the prefill and first token "
           f"({t_prefill * 1e3:.0f} ms) spread over the steps {t_prefill / cli.new_tokens * 1e3:.2f} ms")
-    if cli.profile:  # the model's step alone as timed above (on a GPU the kernels of the graph it replays)
+    if cli.profile:  # the model's step alone at the mean context, as timed above (on a GPU the graph's kernels)
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=acts) as prof:

@@ -10,6 +10,8 @@ the two agree, alone and in the engine; tests/test_kernel_builds.py compiles the
     window) for the sequences whose window completes at this token, reading nothing for the others.
   - sample_triton: the engine's sampler (engine.sample_tokens without top-p and top-k) over chunks of the vocabulary.
   - q_norm_rope_triton: the query's per-head norm and RoPE in a decode step (the end of model_dsv4.Attention.query).
+  - window_kv_triton: a decode step's window key (model_dsv4.Attention.window_kv: its norm and RoPE) written into
+    the cache's ring buffer with its position (kv_cache.KVCache._attn_decode).
 
 The router's kernels are in kernels_route.py.
 
@@ -33,7 +35,11 @@ from kernels_triton import INTERPRETED, _dot, _jit, tl, triton
 # time, skipping blocks with no key to attend (compressed entries not yet written, or not picked by the indexer):
 # 8-17 us a layer, the step 4.4 ms (bench/RESULTS.md, session 23). Two passes over the keys, so that the
 # probabilities are the reference's, rounded to the keys' dtype after the division: the row max and denominator
-# (online), then the probabilities times the keys.
+# (online), then the probabilities times the keys. At batch 64 that is 64 programs, a sequence each, on an H200's 132
+# SMs, each looping over its keys' blocks one after another (13-17 us a CSA layer, session 26). Where a sequence has
+# more blocks of keys than DECODE_SPLIT_BLOCKS, several programs share them (blocks split, split + splits, ...):
+# each finds its blocks' max and denominator, then, in a second kernel, takes every split's to the row's and adds its
+# blocks' share of the output, in fp32; the shares are added in split order.
 
 HEADS = 16  # heads a program: tl.dot's smallest M
 
@@ -56,58 +62,135 @@ def _decode_block(q, win_ptr, comp_ptr, slot, n, keep, W, D, n_comp, scale, d, d
 
 
 @_jit
-def _decode_attn(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, out_ptr, scale, H, D, W, S, n_comp,
-                 HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
-    """Sequence program_id(0), heads program_id(1) * HEADS on: q [HEADS, DP] against the L = W + S keys whose mask
-    byte is set, and the sink."""
-    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    d = tl.arange(0, DP)
-    hm, dm, L = h < H, d < D, W + S
+def _decode_seq(q_ptr, sink_ptr, slot_ptr, b, hg, H, D, HEADS: tl.constexpr, DP: tl.constexpr):
+    """A program's sequence b and heads hg * HEADS on: (h, d, their masks, q [HEADS, DP], sink [HEADS], slot)."""
+    h, d = hg * HEADS + tl.arange(0, HEADS), tl.arange(0, DP)
+    hm, dm = h < H, d < D
     q = tl.load(q_ptr + (b * H + h[:, None]) * D + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
-    sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
-    mx, den = sink, tl.zeros([HEADS], dtype=tl.float32)  # the sink is in the row max and the denominator
-    for start in range(0, L, BLOCK_N):
+    return h, d, hm, dm, q, tl.load(sink_ptr + h, mask=hm, other=0.0), tl.load(slot_ptr + b).to(tl.int64)
+
+
+@_jit
+def _decode_stats(q, win_ptr, comp_ptr, mask_ptr, b, slot, first, L, W, D, n_comp, scale, d, dm, STEP,
+                  HEADS: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
+    """The first pass over key blocks first, first + STEP, ...: the row max and denominator [HEADS] of their kept
+    keys' logits, online (-inf and 0 where none is kept)."""
+    mx, den = tl.full([HEADS], float("-inf"), tl.float32), tl.zeros([HEADS], dtype=tl.float32)
+    for start in range(first * BLOCK_N, L, STEP * BLOCK_N):
         n, keep, some = _decode_keep(mask_ptr, b, start, L, BLOCK_N)
         if some:
             k, logits = _decode_block(q, win_ptr, comp_ptr, slot, n, keep, W, D, n_comp, scale, d, dm, F32)
             new = tl.maximum(mx, tl.max(logits, 1))
             den = den * tl.exp(mx - new) + tl.sum(tl.exp(logits - new[:, None]), 1)
             mx = new
-    den += tl.exp(sink - mx)
+    return mx, den
+
+
+@_jit
+def _decode_pv(q, win_ptr, comp_ptr, mask_ptr, b, slot, first, L, W, D, n_comp, scale, d, dm, STEP, mx, den,
+               HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
+    """The second pass over the same blocks: the probabilities (the whole row's max and denominator, the sink in
+    both), rounded to the keys' dtype, times the keys: fp32 [HEADS, DP]."""
     acc = tl.zeros([HEADS, DP], dtype=tl.float32)
-    for start in range(0, L, BLOCK_N):
+    for start in range(first * BLOCK_N, L, STEP * BLOCK_N):
         n, keep, some = _decode_keep(mask_ptr, b, start, L, BLOCK_N)
         if some:
             k, logits = _decode_block(q, win_ptr, comp_ptr, slot, n, keep, W, D, n_comp, scale, d, dm, F32)
             p = tl.exp(logits - mx[:, None]) / den[:, None]
             acc += _dot(p.to(k.dtype), k, F32)
+    return acc
+
+
+@_jit
+def _decode_attn(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, out_ptr, scale, H, D, W, S, n_comp,
+                 HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
+    """Sequence program_id(0), heads program_id(1) * HEADS on: q [HEADS, DP] against the L = W + S keys whose mask
+    byte is set, and the sink; both passes over all of its keys."""
+    b = tl.program_id(0).to(tl.int64)
+    h, d, hm, dm, q, sink, slot = _decode_seq(q_ptr, sink_ptr, slot_ptr, b, tl.program_id(1), H, D, HEADS, DP)
+    mx, den = _decode_stats(q, win_ptr, comp_ptr, mask_ptr, b, slot, 0, W + S, W, D, n_comp, scale, d, dm, 1,
+                            HEADS, BLOCK_N, F32)
+    top = tl.maximum(mx, sink)  # the sink is in the row max and the denominator
+    den = den * tl.exp(mx - top) + tl.exp(sink - top)
+    acc = _decode_pv(q, win_ptr, comp_ptr, mask_ptr, b, slot, 0, W + S, W, D, n_comp, scale, d, dm, 1, top, den,
+                     HEADS, DP, BLOCK_N, F32)
     tl.store(out_ptr + (b * H + h[:, None]) * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=hm[:, None] & dm[None, :])
 
 
+@_jit
+def _decode_attn_stats(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, stats_ptr, scale, H, D, W, S, n_comp,
+                       SPLITS, HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
+    """Split program_id(2) of the keys (blocks split, split + SPLITS, ...): its max and denominator to stats
+    [B, SPLITS, 2, H]."""
+    b, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
+    h, d, hm, dm, q, sink, slot = _decode_seq(q_ptr, sink_ptr, slot_ptr, b, tl.program_id(1), H, D, HEADS, DP)
+    mx, den = _decode_stats(q, win_ptr, comp_ptr, mask_ptr, b, slot, split, W + S, W, D, n_comp, scale, d, dm,
+                            SPLITS, HEADS, BLOCK_N, F32)
+    row = stats_ptr + ((b * SPLITS + split) * 2) * H + h
+    tl.store(row, mx, mask=hm)
+    tl.store(row + H, den, mask=hm)
+
+
+@_jit
+def _decode_attn_part(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, stats_ptr, part_ptr, scale, H, D, W, S,
+                      n_comp, SPLITS, HEADS: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, BLOCK_N: tl.constexpr,
+                      F32: tl.constexpr):
+    """Split program_id(2) again: the whole row's max and denominator from every split's stats (added in split
+    order), then its blocks' share of the output, fp32, to part [B, SPLITS, H, D]."""
+    b, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
+    h, d, hm, dm, q, sink, slot = _decode_seq(q_ptr, sink_ptr, slot_ptr, b, tl.program_id(1), H, D, HEADS, DP)
+    sp = tl.arange(0, SP)
+    at = stats_ptr + ((b * SPLITS + sp[:, None]) * 2) * H + h[None, :]
+    sm = (sp < SPLITS)[:, None] & hm[None, :]
+    mxs, dens = tl.load(at, mask=sm, other=float("-inf")), tl.load(at + H, mask=sm, other=0.0)  # [SP, HEADS]
+    top = tl.maximum(tl.max(mxs, 0), sink)
+    den = tl.sum(dens * tl.exp(mxs - top[None, :]), 0) + tl.exp(sink - top)
+    acc = _decode_pv(q, win_ptr, comp_ptr, mask_ptr, b, slot, split, W + S, W, D, n_comp, scale, d, dm, SPLITS, top,
+                     den, HEADS, DP, BLOCK_N, F32)
+    tl.store(part_ptr + ((b * SPLITS + split) * H + h[:, None]) * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
+
+
 @torch.library.custom_op("nano_dsv4::decode_attention", mutates_args=())
 def decode_attention_triton(q: torch.Tensor, win: torch.Tensor, comp: Optional[torch.Tensor], slots: torch.Tensor,
-                            mask: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+                            mask: torch.Tensor, sink: torch.Tensor, scale: float, splits: int = 0) -> torch.Tensor:
     """sink_attention for one query token per sequence, reading its keys from the caches: q [B, H, d]; win
     [slots, W, d] and comp [slots, n, d] (or None) the caches (contiguous, q's dtype: bf16, or fp32 for the tests),
     slots [B] each sequence's row, mask bool [B, W + S]: which of the row's W window keys and first S compressed
-    entries to attend; sink [H] fp32 -> [B, H, d] in q's dtype."""
+    entries to attend; sink [H] fp32 -> [B, H, d] in q's dtype. splits: programs a sequence's keys are split over
+    (0: decode_splits' choice)."""
     B, H, D = q.shape
-    W = win.shape[1]
+    W, L = win.shape[1], mask.shape[1]
     comp = win if comp is None else comp  # not read: S = 0
     assert win.is_contiguous() and comp.is_contiguous() and q.dtype == win.dtype == comp.dtype
     assert q.dtype in (torch.bfloat16, torch.float32), q.dtype
-    out = torch.empty_like(q)
-    _decode_attn[(B, triton.cdiv(H, HEADS))](
-        q.contiguous(), win, comp, slots.contiguous(), mask.contiguous().view(torch.uint8), sink.float().contiguous(),
-        out, scale, H, D, W, mask.shape[1] - W, comp.shape[1], HEADS=HEADS, DP=triton.next_power_of_2(D),
-        BLOCK_N=DECODE_BLOCK_N, F32=INTERPRETED or q.dtype == torch.float32, num_warps=4)
-    return out
+    splits = splits or decode_splits(L)
+    args = (q.contiguous(), win, comp, slots.contiguous(), mask.contiguous().view(torch.uint8),
+            sink.float().contiguous())
+    sizes = (scale, H, D, W, L - W, comp.shape[1])
+    meta = dict(HEADS=HEADS, DP=triton.next_power_of_2(D), BLOCK_N=DECODE_BLOCK_N,
+                F32=INTERPRETED or q.dtype == torch.float32, num_warps=4)
+    if splits == 1:
+        out = torch.empty_like(q)
+        _decode_attn[(B, triton.cdiv(H, HEADS))](*args, out, *sizes, **meta)
+        return out
+    grid = (B, triton.cdiv(H, HEADS), splits)
+    stats = q.new_empty(B, splits, 2, H, dtype=torch.float32)
+    _decode_attn_stats[grid](*args, stats, *sizes, splits, **meta)
+    part = q.new_empty(B, splits, H, D, dtype=torch.float32)
+    _decode_attn_part[grid](*args, stats, part, *sizes, splits, SP=triton.next_power_of_2(splits), **meta)
+    return part.sum(1).to(q.dtype)
 
 
-DECODE_BLOCK_N = 32
-decode_attention_triton.register_fake(lambda q, *rest: torch.empty_like(q))
+def decode_splits(L):
+    """Programs a sequence's L keys are split over: one for up to DECODE_SPLIT_BLOCKS blocks of keys, else one
+    for every DECODE_SPLIT_BLOCKS, at most DECODE_MAX_SPLITS. At batch 64 one program a sequence keeps about half
+    of an H200's 132 SMs busy."""
+    return max(1, min(DECODE_MAX_SPLITS, triton.cdiv(L, DECODE_BLOCK_N) // DECODE_SPLIT_BLOCKS))
+
+
+DECODE_BLOCK_N, DECODE_SPLIT_BLOCKS, DECODE_MAX_SPLITS = 32, 4, 4
+decode_attention_triton.register_fake(lambda q, *rest, **kw: torch.empty_like(q))
 
 
 # ----------------------------------------------------------------------------- a decode step's routed experts
@@ -403,3 +486,48 @@ def q_norm_rope_triton(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ep
 
 
 q_norm_rope_triton.register_fake(lambda q, *rest: torch.empty_like(q))
+
+
+# ----------------------------------------------------------------------------- a decode step's window key
+# The step's new key (= value) of every sequence: kv_norm, RoPE at its position, and the write into the window's ring
+# buffer with its position were five small inductor kernels a layer (~10 us, session 26's trace). Here one program
+# takes a sequence and does all of it: the norm in fp32 with its weight, rounded once, as RMSNorm; RoPE on the last
+# 2 * RH dims in fp32, rounded, as apply_rope.
+
+@_jit
+def _window_kv(kv_ptr, w_ptr, cos_ptr, sin_ptr, win_ptr, wpos_ptr, slot_ptr, pos_ptr, row, W, d, eps,
+               RH: tl.constexpr, DP: tl.constexpr):
+    """Sequence program_id(0): kv [B, d] (rows `row` apart) -> win[slot, pos % W] ([slots, W, d]), and pos into
+    win_pos[slot, pos % W]; w [d] fp32, cos, sin [B, RH] fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    slot, pos = tl.load(slot_ptr + t), tl.load(pos_ptr + t)
+    c, j = tl.arange(0, DP), tl.arange(0, RH)
+    x = tl.load(kv_ptr + t * row + c, mask=c < d, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 0) / d + eps)
+    dt = win_ptr.dtype.element_ty
+    dst = win_ptr + (slot * W + pos % W) * d
+    tl.store(dst + c, (x * r * tl.load(w_ptr + c, mask=c < d, other=0.0)).to(dt), mask=c < d - 2 * RH)  # no rotation
+    even = d - 2 * RH + 2 * j
+    x0 = (tl.load(kv_ptr + t * row + even).to(tl.float32) * r * tl.load(w_ptr + even)).to(dt).to(tl.float32)
+    x1 = (tl.load(kv_ptr + t * row + even + 1).to(tl.float32) * r * tl.load(w_ptr + even + 1)).to(dt).to(tl.float32)
+    cos, sin = tl.load(cos_ptr + t * RH + j), tl.load(sin_ptr + t * RH + j)
+    tl.store(dst + even, (x0 * cos - x1 * sin).to(dt))
+    tl.store(dst + even + 1, (x0 * sin + x1 * cos).to(dt))
+    tl.store(wpos_ptr + slot * W + pos % W, pos)
+
+
+@torch.library.custom_op("nano_dsv4::window_kv", mutates_args=("win", "win_pos"))
+def window_kv_triton(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, win: torch.Tensor,
+                     win_pos: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, eps: float) -> None:
+    """kv [B, d] (wkv's output, rows may be strided), weight [d] the norm's, cos, sin [B, rd/2] fp32, win [slots, W,
+    d] and win_pos [slots, W] int64 the ring buffer (contiguous), slots, pos int64 [B]: each sequence's key into
+    win[slots, pos % W], its position into win_pos."""
+    B, d = kv.shape
+    assert win.is_contiguous() and win_pos.is_contiguous() and win.dtype == kv.dtype, (win.dtype, kv.dtype)
+    kv = kv if kv.stride(1) == 1 else kv.contiguous()
+    cos, sin = cos.reshape(B, -1).float().contiguous(), sin.reshape(B, -1).float().contiguous()
+    _window_kv[(B,)](kv, weight.float().contiguous(), cos, sin, win, win_pos, slots.contiguous(), pos.contiguous(),
+                     kv.stride(0), win.shape[1], d, eps, RH=cos.shape[1], DP=triton.next_power_of_2(d), num_warps=4)
+
+
+window_kv_triton.register_fake(lambda *args: None)

@@ -3,9 +3,10 @@ The router's Triton kernels, each beside the code it replaces (tests/test_routin
 alone and in the model's forward; tests/test_kernel_builds.py compiles them for sm_90 and gfx950):
 
   - route_triton: the router without grad (model_dsv4.Gate.forward from its logits: scores, top-k, weights).
-  - pair_order_triton: a decode step's (token, pick) pairs put in expert order (model_dsv4.expert_order's count).
+  - pair_order_triton: a decode step's (token, pick) pairs put in expert order (model_dsv4.expert_order's count);
+    sort_pairs_triton: the same, with the pairs' rows and weights moved there (model_dsv4.dispatch on one rank).
 
-Both are torch.library custom ops, as kernels_triton.py's are. kernels_triton is imported first (it turns on Triton's
+All are torch.library custom ops, as kernels_triton.py's are. kernels_triton is imported first (it turns on Triton's
 interpreter without a GPU, before triton is imported).
 """
 import torch
@@ -95,10 +96,12 @@ route_triton.register_fake(lambda logits, table, ids, k, *rest: (
 
 
 @_jit
-def _pair_order(flat_ptr, order_ptr, inv_ptr, count_ptr, P, E, PAIR_PROGRAMS, BP: tl.constexpr, BQ: tl.constexpr):
+def _pair_order(flat_ptr, order_ptr, inv_ptr, count_ptr, x_ptr, w_ptr, xs_ptr, ws_ptr, P, E, PAIR_PROGRAMS, K, D,
+                BP: tl.constexpr, BQ: tl.constexpr, COPY: tl.constexpr, BLOCK_D: tl.constexpr):
     """Programs below PAIR_PROGRAMS: pairs p = program_id(0) * BP.. get row inv[p] = the pairs of lower experts plus
-    those of p's expert before p, and order[inv[p]] = p. The others: experts e.. get count[e], their pairs. The
-    other pairs are read BQ at a time: all of a decode step's in one load (up to ORDER_BQ)."""
+    those of p's expert before p, and order[inv[p]] = p; COPY: also xs[inv[p]] = x[p // K] ([N, D] rows) and
+    ws[inv[p]] = w[p]. The others: experts e.. get count[e], their pairs. The other pairs are read BQ at a time: all
+    of a decode step's in one load (up to ORDER_BQ)."""
     pid = tl.program_id(0)
     q0 = tl.arange(0, BQ)
     if pid < PAIR_PROGRAMS:
@@ -113,6 +116,13 @@ def _pair_order(flat_ptr, order_ptr, inv_ptr, count_ptr, P, E, PAIR_PROGRAMS, BP
             row += tl.sum(before.to(tl.int32), 1)
         tl.store(inv_ptr + p, row.to(tl.int64), mask=pm)
         tl.store(order_ptr + row, p.to(tl.int64), mask=pm)
+        if COPY:  # the pairs' rows and weights, where dispatch's gathers put them
+            tl.store(ws_ptr + row, tl.load(w_ptr + p, mask=pm, other=0.0), mask=pm)
+            src, dst, d = (p // K).to(tl.int64) * D, row.to(tl.int64) * D, tl.arange(0, BLOCK_D)
+            for d0 in range(0, D, BLOCK_D):
+                m = pm[:, None] & (d0 + d < D)[None, :]
+                tl.store(xs_ptr + dst[:, None] + d0 + d[None, :], tl.load(x_ptr + src[:, None] + d0 + d[None, :],
+                                                                            mask=m, other=0.0), mask=m)
     else:
         e = (pid - PAIR_PROGRAMS) * BP + tl.arange(0, BP)
         n = tl.zeros([BP], dtype=tl.int32)
@@ -123,17 +133,41 @@ def _pair_order(flat_ptr, order_ptr, inv_ptr, count_ptr, P, E, PAIR_PROGRAMS, BP
         tl.store(count_ptr + e, n.to(tl.int64), mask=e < E)
 
 
+def _order(flat, n_experts, copy=None):
+    """Launch _pair_order on flat [P] expert ids: order, inv, counts; copy: (x [N, D], w [N, K] fp32, xs, ws) to
+    fill."""
+    P = flat.shape[0]
+    order, inv, counts = flat.new_empty(P), flat.new_empty(P), flat.new_empty(n_experts)
+    x, w, xs, ws = copy or (flat, flat, flat, flat)  # not read without COPY
+    K, D = (w.shape[1], x.shape[1]) if copy else (1, 1)
+    pair_programs = triton.cdiv(P, ORDER_BP)
+    _pair_order[(pair_programs + triton.cdiv(n_experts, ORDER_BP),)](
+        flat.contiguous(), order, inv, counts, x, w, xs, ws, P, n_experts, pair_programs, K, D, BP=ORDER_BP,
+        BQ=min(ORDER_BQ, triton.next_power_of_2(P)), COPY=copy is not None,
+        BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4)
+    return order, inv, counts
+
+
 @torch.library.custom_op("nano_dsv4::pair_order", mutates_args=())
 def pair_order_triton(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """model_dsv4.expert_order's count sort: flat [P] int64 expert ids -> order [P], inv [P], counts [n_experts]."""
-    P = flat.shape[0]
-    order, inv, counts = flat.new_empty(P), flat.new_empty(P), flat.new_empty(n_experts)
-    pair_programs = triton.cdiv(P, ORDER_BP)
-    _pair_order[(pair_programs + triton.cdiv(n_experts, ORDER_BP),)](
-        flat.contiguous(), order, inv, counts, P, n_experts, pair_programs, BP=ORDER_BP,
-        BQ=min(ORDER_BQ, triton.next_power_of_2(P)), num_warps=4)
-    return order, inv, counts
+    return _order(flat, n_experts)
 
 
 pair_order_triton.register_fake(lambda flat, n_experts: (torch.empty_like(flat), torch.empty_like(flat),
                                                           flat.new_empty(n_experts)))
+
+
+@torch.library.custom_op("nano_dsv4::sort_pairs", mutates_args=())
+def sort_pairs_triton(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, n_experts: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """model_dsv4.dispatch on one rank for a decode step: x [N, D], weights [N, K] fp32, idx [N, K] int64 expert ids
+    -> the pairs' rows xs [N * K, D] and weights ws [N * K] in expert order, order, inv, counts [n_experts]."""
+    x, weights = x.contiguous(), weights.float().contiguous()
+    xs, ws = x.new_empty(idx.numel(), x.shape[1]), weights.new_empty(idx.numel())
+    return xs, ws, *_order(idx.flatten(), n_experts, (x, weights, xs, ws))
+
+
+sort_pairs_triton.register_fake(lambda x, weights, idx, n_experts: (
+    x.new_empty(idx.numel(), x.shape[1]), weights.new_empty(idx.numel(), dtype=torch.float32),
+    idx.new_empty(idx.numel()), idx.new_empty(idx.numel()), idx.new_empty(n_experts)))

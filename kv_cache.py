@@ -17,7 +17,7 @@ CUDA graph.
 import torch
 
 from kernels import fused_projections
-from kernels_decode import compress_pool_triton, decode_attention_triton
+from kernels_decode import compress_pool_triton, decode_attention_triton, window_kv_triton
 from kernels_triton import has_triton
 from model_dsv4 import rope_cos_sin, sink_attention, top_k_mask
 
@@ -162,13 +162,18 @@ class KVCache:
         comp = lambda n: (p[n + ".wkv"], p[n + ".wgate"]) if p else None
         q, qr = attn.query(h, cos, sin, p.get("wq_a"))
         W = a.sliding_window
-        c["win"][slots, pos % W] = attn.window_kv(h, cos, sin, p.get("wkv"))[:, 0]
-        c["win_pos"][slots, pos % W] = pos
+        fast = attn.fast and has_triton(h) and not torch.is_grad_enabled()  # kernels_decode.py's kernels
+        if fast and not attn.wkv.fp8_emu:  # the key's norm and RoPE, its cache row and position: one kernel
+            kv = attn.wkv(h) if "wkv" not in p else p["wkv"]
+            window_kv_triton(kv[:, 0], attn.kv_norm.weight, cos[:, 0], sin[:, 0], c["win"], c["win_pos"], slots, pos,
+                             attn.kv_norm.eps)
+        else:
+            c["win"][slots, pos % W] = attn.window_kv(h, cos, sin, p.get("wkv"))[:, 0]
+            c["win_pos"][slots, pos % W] = pos
         wpos = c["win_pos"][slots]  # [B, W]
         mask = ((wpos >= 0) & (wpos > pos[:, None] - W) & (wpos <= pos[:, None]))[:, None]  # [B, 1, W]
         S = 0
         if attn.ratio:
-            fast = attn.fast and has_triton(h) and not torch.is_grad_enabled()  # kernels_decode.py's kernels
             self._compressor_step(attn.compressor, h, c, "comp", slots, pos, fast, comp("compressor"))
             n_vis = (pos + 1) // attn.ratio  # entries whose whole window is at or before pos
             # CUDA graphs and compiled code want fixed shapes: every cache entry, masked; eager reads up to the

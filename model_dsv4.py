@@ -26,7 +26,7 @@ from kernels import (PathInvariant, fuse_rows_, grouped_experts, is_fused, is_st
                      stack_experts_, window_attention)
 from kernels_triton import HC_PRE_TOKENS, has_triton, hc_post_triton, hc_pre_triton
 from kernels_decode import q_norm_rope_triton
-from kernels_route import pair_order_triton, route_triton
+from kernels_route import pair_order_triton, route_triton, sort_pairs_triton
 from mhc import hc_head, hc_mixes, hc_split_sinkhorn
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
@@ -534,6 +534,9 @@ def dispatch(x, weights, idx, n_local, group, count=False, fast=False):
     blocks of n_local over the EP group. x: [N, D], weights/idx: [N, K] ->
     rows xs [R, D] and weights ws [R] grouped by local expert, counts per local expert, and what combine needs."""
     ep = group_size(group)
+    if ep == 1 and count and fast and has_triton(x) and not torch.is_grad_enabled():  # decode: one Triton kernel
+        xs, ws, order, inv, send = sort_pairs_triton(x, weights, idx, n_local)
+        return xs, ws, send, (order, inv, None, None, None)
     flat = idx.flatten()
     order, inv, send = expert_order(flat, n_local * ep, count, fast)  # pairs sorted by expert, hence by rank
     xs = Picks.apply(x, order, inv, idx.shape[1])  # [N * K, D]: row r is token order[r] // K

@@ -2,8 +2,9 @@
 on the gathered keys, alone and in the engine's decode; experts_triton against kernels.grouped_experts and
 Expert.forward, alone and in the model's forward without grad; compress_pool_triton against Compressor.pool, alone and
 in the engine's decode; sample_triton against engine.sample_tokens, alone and in the engine; q_norm_rope_triton
-against Attention.query (the routing kernels: test_routing_kernels.py). Without a GPU, Triton's interpreter runs them
-on CPU tensors (kernels_triton.py turns it on); test_kernel_builds.py compiles them for sm_90 and gfx950."""
+against Attention.query; window_kv_triton against Attention.window_kv and the cache's writes, alone and in the
+engine's decode (the routing kernels: test_routing_kernels.py). Without a GPU, Triton's interpreter runs them on CPU
+tensors (kernels_triton.py turns it on); test_kernel_builds.py compiles them for sm_90 and gfx950."""
 import copy
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from kernels_decode import (compress_pool_triton, decode_attention_triton,  # before triton: without a GPU it turns
-                            experts_triton, q_norm_rope_triton, sample_triton)  # on the interpreter
+                            experts_triton, q_norm_rope_triton, sample_triton, window_kv_triton)  # on the interpreter
 import engine
 import kernels
 import kv_cache
@@ -26,15 +27,20 @@ pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requ
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("H,D,compressed,dtype", [(3, 40, True, torch.float32), (20, 32, False, torch.float32),
-                                                   (16, 64, True, torch.bfloat16)])
-def test_decode_attention_triton_equals_sink_attention(H, D, compressed, dtype):
+@pytest.mark.parametrize("H,D,compressed,dtype,splits", [(3, 40, True, torch.float32, 1),
+                                                          (20, 32, False, torch.float32, 1),
+                                                          (16, 64, True, torch.bfloat16, 1),
+                                                          (3, 40, True, torch.float32, 2),
+                                                          (20, 32, True, torch.float32, 3),
+                                                          (16, 64, True, torch.bfloat16, 2)])
+def test_decode_attention_triton_equals_sink_attention(H, D, compressed, dtype, splits):
     """One query token per sequence against its cache rows (slots out of order, one cache row never read), the
     window's 8 keys and the first 50 of 60 compressed entries (two blocks of keys: one row attends nothing in the
     second, one nothing at all), against sink_attention on the keys gathered and concatenated, and exact attention
     in fp64. Heads 3 and 20 (padded to blocks of 16), head dims 40 and 32 (padded to a power of two). fp32: to 1e-5
     of the largest output. bf16 (the engine's): the reference to a rounding, the kernel to two (the interpreter
-    truncates where the GPU rounds: probabilities and output)."""
+    truncates where the GPU rounds: probabilities and output). Split over 2 programs a sequence (a block each) and 3
+    (the third with no block), as over 1."""
     g = torch.Generator().manual_seed(H)
     B, W, n_comp, S = 5, 8, 60, 50 if compressed else 0
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEV, dtype)
@@ -43,7 +49,7 @@ def test_decode_attention_triton_equals_sink_attention(H, D, compressed, dtype):
     mask = torch.rand(B, W + S, generator=g).to(DEV) < 0.6
     mask[1] = False
     mask[2, 32:] = False
-    out = decode_attention_triton(q, win, comp, slots, mask, sink.float(), D ** -0.5)
+    out = decode_attention_triton(q, win, comp, slots, mask, sink.float(), D ** -0.5, splits)
     keys = torch.cat([win[slots], comp[slots, :S]], 1) if compressed else win[slots]
     ref = sink_attention(q[:, None], keys, mask[:, None], sink.float(), D ** -0.5)[:, 0]
     exact = sink_attention(q[:, None].double(), keys.double(), mask[:, None], sink.double(), D ** -0.5)[:, 0]
@@ -238,3 +244,34 @@ def test_q_norm_rope_triton_equals_query(dtype, monkeypatch):
     for a, b in zip(got, ref):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max(), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_kv_triton_equals_window_kv(dtype):
+    """A decode step's window key in one kernel: Attention.window_kv (kv_norm with its weight, RoPE at each sequence's
+    position) written to the ring buffer's row pos % W of each slot (slots out of order, positions past the window),
+    and the position to win_pos, against the reference's writes. The key read as a strided slice, as the fused
+    projections give it. Rows not written stay as they were; fp32: to 1e-6 of the largest value; bf16: a rounding
+    apart (2^-8 of the largest), four under the interpreter, which truncates where the GPU rounds."""
+    g = torch.Generator().manual_seed(3)
+    attn = randomize_(Attention(2, TINY), TINY.n_routed_experts, TINY.num_experts_per_tok, seed=3).to(DEV, dtype)
+    attn.kv_norm.weight.data = torch.rand(TINY.head_dim, generator=g).to(DEV) + 0.5  # fp32, not all ones
+    B, W, d = 5, TINY.sliding_window, TINY.head_dim
+    h = torch.randn(B, 1, TINY.hidden_size, generator=g).to(DEV, dtype)
+    slots, pos = torch.tensor([4, 0, 2, 5, 1]).to(DEV), torch.tensor([3, 70, 31, 0, 1000]).to(DEV)
+    cos, sin = rope_cos_sin(TINY, attn.ratio, pos[:, None])
+    win, win_pos = torch.randn(6, W, d, generator=g).to(DEV, dtype), torch.randint(-1, 99, (6, W), generator=g).to(DEV)
+    ref_win, ref_pos = win.clone(), win_pos.clone()
+    with torch.no_grad():
+        ref_win[slots, pos % W] = attn.window_kv(h, cos, sin)[:, 0]
+        ref_pos[slots, pos % W] = pos
+        wide = torch.cat([torch.randn(B, 1, 7, generator=g).to(DEV, dtype), attn.wkv(h)], -1)  # a strided slice
+        window_kv_triton(wide[:, 0, 7:], attn.kv_norm.weight, cos[:, 0], sin[:, 0], win, win_pos, slots, pos,
+                         TINY.rms_norm_eps)
+    assert torch.equal(win_pos, ref_pos)
+    written = torch.zeros(6, W, dtype=torch.bool, device=DEV)
+    written[slots, pos % W] = True
+    assert torch.equal(win[~written], ref_win[~written])
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -6 if INTERPRETED else 2 ** -8
+    err = (win.float() - ref_win.float()).abs().max()
+    assert err <= tol * ref_win[written].float().abs().max(), err

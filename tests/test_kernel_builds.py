@@ -17,10 +17,11 @@ def test_kernels_compile_for_h200_and_mi355x():
     the CPU and failed to compile on the GPU: an `if` whose branches gave two shapes). So every kernel is also
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
-    (D 1536: a block of 2048, a token a program); decode attention at head dim 512; the experts' two kernels; the
-    compressor's pooling with and without overlap; the sampler's two kernels; hc_pre's two at bench_2b's sizes (the
-    mixes' tl.dot in each backend's precision, kernels_triton.hc_dot); the router (hash and learned, 256 experts)
-    and the pairs' ordering; the query's norm and RoPE at head dim 512. In a subprocess: this process's kernels are
+    (D 1536: a block of 2048, a token a program); decode attention at head dim 512 (one program a sequence, and
+    split); the experts' two kernels; the compressor's pooling with and without overlap; the sampler's two kernels;
+    hc_pre's two at bench_2b's sizes (the mixes' tl.dot in each backend's precision, kernels_triton.hc_dot); the
+    router (hash and learned, 256 experts) and the pairs' ordering (with the rows' copy and without); the query's
+    norm and RoPE and the window key's write at head dim 512. In a subprocess: this process's kernels are
     interpreted."""
     code = """
 import kernels_decode as kd, kernels_route as kr, kernels_triton as kt, triton
@@ -31,9 +32,11 @@ kernels = [(fn, {"STEPS": 39, "N": 4, "NP": 4, "BLOCK": kt.BLOCK}, {"n_tok": "i3
            for fn in (kt._sinkhorn_fwd, kt._sinkhorn_bwd)]
 kernels += [(fn, {"N": 4, "NP": 4, "BLOCK_D": 2048}, {"D": "i32"}, ("f_ptr", "x_ptr", "y_ptr", "dy_ptr", "df_ptr"),
              8) for fn in (kt._hc_post_fwd, kt._hc_post_bwd)]
-kernels += [(kd._decode_attn, {"HEADS": kd.HEADS, "DP": 512, "BLOCK_N": kd.DECODE_BLOCK_N, "F32": False},
-             {"scale": "fp32", **{a: "i32" for a in ("H", "D", "W", "S", "n_comp")}, "slot_ptr": "*i64",
-              "mask_ptr": "*u8"}, ("q_ptr", "win_ptr", "comp_ptr", "out_ptr"), 4)]
+attn = {"HEADS": kd.HEADS, "DP": 512, "BLOCK_N": kd.DECODE_BLOCK_N, "F32": False}
+kernels += [(fn, consts, {"scale": "fp32", **{a: "i32" for a in ("H", "D", "W", "S", "n_comp", "SPLITS")},
+             "slot_ptr": "*i64", "mask_ptr": "*u8"}, ("q_ptr", "win_ptr", "comp_ptr", "out_ptr"), 4)
+            for fn, consts in ((kd._decode_attn, attn), (kd._decode_attn_stats, attn),
+                               (kd._decode_attn_part, {**attn, "SP": 4}))]
 blocks = {"F32": False, "BLOCK_M": 16, "BLOCK_N": kd.EXPERTS_BLOCK_N, "BLOCK_K": kd.EXPERTS_BLOCK_K}
 kernels += [(kd._compress_pool, {"OVERLAP": o, "MP": m, "BLOCK_D": kd.POOL_BLOCK_D},
              {"m": "i32", "d": "i32", "slot_ptr": "*i64", "full_ptr": "*u8"}, (), 4)
@@ -48,10 +51,14 @@ kernels += [(kt._hc_mix_parts, {"R": 24, "RP": 32, "BT": kt.HC_BT, "BK": kt.HC_B
 route = {"N": "i32", "E": "i32", "row": "i32", "scale": "fp32", "ids_ptr": "*i64", "idx_ptr": "*i64"}
 kernels += [(kr._route, {"K": 6, "KP": 8, "EP": 256, "BT": kr.ROUTE_BT, "FUNC": 2, "HASH": h, "NORM": True},
              {**route, "table_ptr": "*i64" if h else "*fp32"}, (), 4) for h in (True, False)]
-kernels += [(kr._pair_order, {"BP": kr.ORDER_BP, "BQ": kr.ORDER_BQ}, {"P": "i32", "E": "i32", "PAIR_PROGRAMS": "i32",
-             **{a: "*i64" for a in ("flat_ptr", "order_ptr", "inv_ptr", "count_ptr")}}, (), 4)]
+kernels += [(kr._pair_order, {"BP": kr.ORDER_BP, "BQ": kr.ORDER_BQ, "COPY": c, "BLOCK_D": 1024},
+             {**{a: "i32" for a in ("P", "E", "PAIR_PROGRAMS", "K", "D")},
+              **{a: "*i64" for a in ("flat_ptr", "order_ptr", "inv_ptr", "count_ptr")}}, ("x_ptr", "xs_ptr"), 4)
+            for c in (False, True)]
 kernels += [(kd._q_norm_rope, {"RH": 32, "DP": 512, "HB": 4}, {"H": "i32", "d": "i32", "eps": "fp32"},
-             ("q_ptr", "out_ptr"), 4)]
+             ("q_ptr", "out_ptr"), 4),
+            (kd._window_kv, {"RH": 32, "DP": 512}, {**{a: "i32" for a in ("row", "W", "d")}, "eps": "fp32",
+             **{a: "*i64" for a in ("wpos_ptr", "slot_ptr", "pos_ptr")}}, ("kv_ptr", "win_ptr"), 4)]
 sizes = {"V": "i32", "CHUNK": "i32", "S": "i32"}
 kernels += [(kd._sample_sums, {"BLOCK": kd.SAMPLE_BLOCK}, sizes, (), 4),
             (kd._sample_pick, {"SP": 16, "BLOCK": kd.SAMPLE_BLOCK}, {**sizes, "greedy_ptr": "*u8", "draws_ptr": "*i64",
@@ -69,4 +76,4 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 34, out.stdout
+    assert out.stdout.count("compiled") == 42, out.stdout

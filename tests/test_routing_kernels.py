@@ -1,5 +1,6 @@
 """kernels_route.py's kernels against the code they replace: route_triton against model_dsv4.Gate.forward and
-pair_order_triton against a stable sort, alone and in the model's forward without grad. Without a GPU, Triton's
+pair_order_triton against a stable sort, sort_pairs_triton against dispatch, alone and in the model's forward without
+grad. Without a GPU, Triton's
 interpreter runs them on CPU tensors (kernels_triton.py turns it on); test_kernel_builds.py compiles them for sm_90 and
 gfx950."""
 import copy
@@ -8,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels_route import pair_order_triton, route_triton  # before triton: without a GPU it turns on the interpreter
+from kernels_route import (pair_order_triton, route_triton,  # before triton: without a GPU it turns on the interpreter
+                           sort_pairs_triton)
 import kernels_route
 import model_dsv4
 from conftest import TINY, randomize_
@@ -56,16 +58,31 @@ def test_pair_order_triton_equals_the_stable_sort(P, E, bq, monkeypatch):
     assert torch.equal(counts, torch.bincount(flat, minlength=E))
 
 
+@pytest.mark.parametrize("N,K,D,E,dtype", [(64, 6, 1536, 64, torch.bfloat16), (5, 2, 40, 300, torch.float32),
+                                           (37, 3, 2100, 8, torch.float32)])
+def test_sort_pairs_triton_equals_dispatch(N, K, D, E, dtype):
+    """dispatch on one rank for a decode step in one kernel: the pairs' rows and weights in expert order equal
+    dispatch's gathers (exactly: copies), order, inverse and counts expert_order's; rows wider than a block (2100)
+    and blocks of pairs past the end."""
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(N, D, generator=g).to(DEV, dtype)
+    w, idx = torch.rand(N, K, generator=g).to(DEV), torch.randint(0, E, (N, K), generator=g).to(DEV)
+    xs, ws, order, inv, counts = sort_pairs_triton(x, w, idx, E)
+    ref_order, ref_inv, ref_counts = model_dsv4.expert_order(idx.flatten(), E)
+    assert torch.equal(order, ref_order) and torch.equal(inv, ref_inv) and torch.equal(counts, ref_counts)
+    assert xs.dtype == dtype and torch.equal(xs, x[ref_order // K]) and torch.equal(ws, w.flatten()[ref_order])
+
+
 def test_model_without_grad_on_triton_routing_equals_reference(monkeypatch):
     """A forward without grad with the MoE's kernels on routes through route_triton in every layer (hash ones
-    included) and, for one token a sequence (a decode step), orders the pairs by pair_order_triton: TINY's layers on
+    included) and, for one token a sequence (a decode step), orders the pairs by sort_pairs_triton: TINY's layers on
     5 sequences of one token, fp32, against the reference model, to 1e-5 of the largest logit."""
     calls = {"route": 0, "order": 0}
     monkeypatch.setattr(model_dsv4, "has_triton", lambda t: True)
     monkeypatch.setattr(model_dsv4, "route_triton", lambda *a: calls.update(route=calls["route"] + 1)
                         or route_triton(*a))
-    monkeypatch.setattr(model_dsv4, "pair_order_triton", lambda *a: calls.update(order=calls["order"] + 1)
-                        or pair_order_triton(*a))
+    monkeypatch.setattr(model_dsv4, "sort_pairs_triton", lambda *a: calls.update(order=calls["order"] + 1)
+                        or sort_pairs_triton(*a))
     model = randomize_(Transformer(copy.deepcopy(TINY), dtype=torch.float32), TINY.n_routed_experts,
                        TINY.num_experts_per_tok, seed=8).to(DEV)
     ids = torch.randint(0, TINY.vocab_size, (5, 1), generator=torch.Generator().manual_seed(9)).to(DEV)
