@@ -6,8 +6,8 @@ the two agree, alone and in the engine; tests/test_kernel_builds.py compiles the
     sequence's cached window keys and compressed entries) as one kernel that reads the keys in place.
   - experts_triton: a decode step's routed experts (kernels.grouped_experts with few rows an expert) as two kernels,
     the up projection with the SwiGLU and the down projection.
-  - compress_pool_triton: a decode step's compressor pooling (model_dsv4.Compressor.pool over each sequence's cached
-    window) for the sequences whose window completes at this token, reading nothing for the others.
+  - compress_step_triton: a decode step's whole compressor step (kv_cache.KVCache._compressor_step: the row's
+    write, the pooling, Compressor.finish's norm and RoPE, the entry's write, the overlap's roll).
   - sample_triton: the engine's sampler (engine.sample_tokens without top-p and top-k) over chunks of the vocabulary.
   - q_norm_rope_triton: the query's per-head norm and RoPE in a decode step (the end of model_dsv4.Attention.query).
   - window_kv_triton: a decode step's window key (model_dsv4.Attention.window_kv: its norm and RoPE) written into
@@ -284,74 +284,6 @@ def experts_triton(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, w13: 
 experts_triton.register_fake(lambda xs, *rest: torch.empty_like(xs))
 
 
-# ----------------------------------------------------------------------------- a decode step's compressor pooling
-# Each decode step adds one row to every sequence's partial compression window, and a sequence's window completes
-# once every `ratio` tokens. The reference (kv_cache._compressor_step) gathers every sequence's whole window out of
-# the cache and pools it, keeping the result only where the window completed: static shapes for CUDA graphs, but at
-# batch 64 an HCA layer (ratio 128) read 64 x 128 rows of 2 x 512 fp32 values a step, 27.7 us a layer on an H200
-# (session 24's trace). Here a program takes a sequence and a block of channels, and returns at once when that
-# sequence's window is not complete (its output zeros, which the caller discards).
-
-@_jit
-def _compress_pool(kv_ptr, score_ptr, prev_kv_ptr, prev_score_ptr, ape_ptr, slot_ptr, full_ptr, out_ptr, m, d,
-                   OVERLAP: tl.constexpr, MP: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Sequence program_id(0), channels program_id(1) * BLOCK_D on: softmax over the window's rows (and, with
-    OVERLAP, the previous window's first-half rows) of score + ape, per channel, times kv, summed."""
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    cm = c < d
-    out = out_ptr + b * d + c
-    if tl.load(full_ptr + b) == 0:
-        tl.store(out, tl.zeros([BLOCK_D], dtype=tl.float32), mask=cm)
-        return
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    r = tl.arange(0, MP)
-    rm = (r < m)[:, None] & cm[None, :]
-    width = 2 * d if OVERLAP else d  # the cache's channels a row: the window's own are the second half with OVERLAP
-    col = (d if OVERLAP else 0) + c
-    at = (slot * m + r[:, None]) * width + col[None, :]
-    kv = tl.load(kv_ptr + at, mask=rm, other=0.0)
-    score = tl.load(score_ptr + at, mask=rm, other=float("-inf")) + tl.load(ape_ptr + r[:, None] * width + col[None, :],
-                                                                          mask=rm, other=0.0)
-    mx = tl.max(score, 0)
-    if OVERLAP:  # the window before's first-half rows, ape already added
-        at = (slot * m + r[:, None]) * d + c[None, :]
-        pkv = tl.load(prev_kv_ptr + at, mask=rm, other=0.0)
-        pscore = tl.load(prev_score_ptr + at, mask=rm, other=float("-inf"))
-        mx = tl.maximum(mx, tl.max(pscore, 0))
-        p = tl.exp(pscore - mx[None, :])
-        den, acc = tl.sum(p, 0), tl.sum(p * pkv, 0)
-    else:
-        den, acc = tl.zeros([BLOCK_D], dtype=tl.float32), tl.zeros([BLOCK_D], dtype=tl.float32)
-    p = tl.exp(score - mx[None, :])
-    den += tl.sum(p, 0)
-    acc += tl.sum(p * kv, 0)
-    tl.store(out, acc / den, mask=cm)
-
-
-POOL_BLOCK_D = 32
-
-
-@torch.library.custom_op("nano_dsv4::compress_pool", mutates_args=())
-def compress_pool_triton(kv: torch.Tensor, score: torch.Tensor, prev_kv: torch.Tensor, prev_score: torch.Tensor,
-                         ape: torch.Tensor, slots: torch.Tensor, full: torch.Tensor, overlap: bool) -> torch.Tensor:
-    """Compressor.pool of each sequence's cached window where full: kv, score [rows, m, coff*d] the caches' partial
-    windows (score without ape), prev_kv, prev_score [rows, m, d] (overlap: the window before's first-half rows, ape
-    added), ape [m, coff*d], slots [B] each sequence's cache row, full bool [B] -> fp32 [B, d] (zeros where not
-    full)."""
-    m, d = kv.shape[1], prev_kv.shape[2]
-    assert kv.is_contiguous() and score.is_contiguous() and prev_kv.is_contiguous() and prev_score.is_contiguous()
-    out = kv.new_empty(slots.shape[0], d)
-    _compress_pool[(slots.shape[0], triton.cdiv(d, POOL_BLOCK_D))](
-        kv, score, prev_kv, prev_score, ape.contiguous(), slots.contiguous(), full.contiguous().view(torch.uint8), out,
-        m, d, OVERLAP=overlap, MP=triton.next_power_of_2(m), BLOCK_D=POOL_BLOCK_D, num_warps=4)
-    return out
-
-
-compress_pool_triton.register_fake(lambda kv, score, prev_kv, prev_score, ape, slots, full, overlap:
-                                   kv.new_empty(slots.shape[0], prev_kv.shape[2]))
-
-
 # ----------------------------------------------------------------------------- sampling
 # The engine samples a token a row (engine.sample_tokens: log_softmax over the vocabulary, then greedy argmax or the
 # Gumbel-max draw of engine.gumbel's noise). Compiled, that is one reduction kernel with a program a row, each running
@@ -531,3 +463,118 @@ def window_kv_triton(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, 
 
 
 window_kv_triton.register_fake(lambda *args: None)
+
+
+# ----------------------------------------------------------------------------- a decode step's compressor
+# Each decode step adds one kv / score row to every sequence's partial compression window, and a sequence's window
+# completes once every `ratio` tokens: then it is pooled into a compressed entry (a softmax over the window's rows of
+# score + ape, per channel, times kv), which is normed and rotated (Compressor.finish) and written to the entries'
+# cache; with ratio 4's overlap the window's first-half rows (ape added) become the next window's. As tensor ops
+# (kv_cache.KVCache._compressor_step) that is the row writes, a pooling of every sequence's window kept only where
+# complete (static shapes), the norm, the RoPE and the writes: ~10 kernels and ~10 us a compressor, 17 compressors a
+# bench_2b step (session 26's trace). Here one program takes a sequence: it writes its row and returns unless its
+# window is complete, else it pools the window (two passes over its rows: their max, then the weighted sum, as the
+# reference's softmax), norms, rotates and writes the entry, and rolls the overlap.
+
+@_jit
+def _pool(st_kv_ptr, st_score_ptr, prev_kv_ptr, prev_score_ptr, ape_ptr, slot, m, d, ch, OVERLAP: tl.constexpr,
+          MP: tl.constexpr, BR: tl.constexpr):
+    """Compressor.pool of cache row slot's window for channels ch (a vector; those < d): fp32, 0 past d."""
+    cm = ch < d
+    width = 2 * d if OVERLAP else d  # the cache's channels a row: the window's own are the second half with OVERLAP
+    col = (d if OVERLAP else 0) + ch
+    mx = tl.full(ch.shape, float("-inf"), tl.float32)
+    r = tl.arange(0, MP)
+    if OVERLAP:  # the window before's first-half rows, ape already added
+        pat = (slot * m + r[:, None]) * d + ch[None, :]
+        pm = (r < m)[:, None] & cm[None, :]
+        pscore = tl.load(prev_score_ptr + pat, mask=pm, other=float("-inf"))
+        mx = tl.maximum(mx, tl.max(pscore, 0))
+    for r0 in range(0, m, BR):  # the row max
+        rows = r0 + tl.arange(0, BR)
+        rm = (rows < m)[:, None] & cm[None, :]
+        s = tl.load(st_score_ptr + (slot * m + rows[:, None]) * width + col[None, :], mask=rm, other=float("-inf"))
+        mx = tl.maximum(mx, tl.max(s + tl.load(ape_ptr + rows[:, None] * width + col[None, :], mask=rm, other=0.0), 0))
+    mx = tl.where(cm, mx, 0.0)
+    den, acc = tl.zeros(ch.shape, dtype=tl.float32), tl.zeros(ch.shape, dtype=tl.float32)
+    if OVERLAP:
+        p = tl.exp(pscore - mx[None, :])
+        den, acc = tl.sum(p, 0), tl.sum(p * tl.load(prev_kv_ptr + pat, mask=pm, other=0.0), 0)
+    for r0 in range(0, m, BR):  # the weighted sum
+        rows = r0 + tl.arange(0, BR)
+        rm = (rows < m)[:, None] & cm[None, :]
+        at = (slot * m + rows[:, None]) * width + col[None, :]
+        s = tl.load(st_score_ptr + at, mask=rm, other=float("-inf"))
+        p = tl.exp(s + tl.load(ape_ptr + rows[:, None] * width + col[None, :], mask=rm, other=0.0) - mx[None, :])
+        den += tl.sum(p, 0)
+        acc += tl.sum(p * tl.load(st_kv_ptr + at, mask=rm, other=0.0), 0)
+    return tl.where(cm, acc / tl.where(cm, den, 1.0), 0.0)
+
+
+@_jit
+def _compress_step(kv_ptr, score_ptr, st_kv_ptr, st_score_ptr, prev_kv_ptr, prev_score_ptr, ape_ptr, w_ptr, cos_ptr,
+                   sin_ptr, out_ptr, slot_ptr, pos_ptr, row, m, d, n_out, eps, OVERLAP: tl.constexpr,
+                   WP: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BR: tl.constexpr, RH: tl.constexpr):
+    """Sequence program_id(0): its kv, score rows ([B, width], `row` apart) to its window's row pos % m; if that
+    completes the window, the pooled entry normed (weight w), rotated by cos, sin ([B, RH], the window's first
+    position) into out[slot, pos // m] ([slots, n_out, d]), and with OVERLAP the window's first-half rows to prev."""
+    t = tl.program_id(0).to(tl.int64)
+    slot, pos = tl.load(slot_ptr + t), tl.load(pos_ptr + t)
+    width = 2 * d if OVERLAP else d
+    cw = tl.arange(0, WP)
+    wm = cw < width
+    at = (slot * m + pos % m) * width + cw
+    tl.store(st_kv_ptr + at, tl.load(kv_ptr + t * row + cw, mask=wm, other=0.0), mask=wm)
+    tl.store(st_score_ptr + at, tl.load(score_ptr + t * row + cw, mask=wm, other=0.0), mask=wm)
+    if pos % m == m - 1:
+        tl.debug_barrier()  # the row just written, read below by other threads of the program
+        dt = out_ptr.dtype.element_ty
+        c, j = tl.arange(0, DP), tl.arange(0, RH)
+        x = _pool(st_kv_ptr, st_score_ptr, prev_kv_ptr, prev_score_ptr, ape_ptr, slot, m, d, c, OVERLAP, MP, BR)
+        x = x.to(dt).to(tl.float32)  # Compressor.finish: the entry in the model's dtype, then its norm
+        r = tl.rsqrt(tl.sum(x * x, 0) / d + eps)
+        dst = out_ptr + (slot * n_out + pos // m) * d
+        tl.store(dst + c, (x * r * tl.load(w_ptr + c, mask=c < d, other=0.0)).to(dt), mask=c < d - 2 * RH)
+        even = d - 2 * RH + 2 * j  # RoPE's pairs: their channels pooled again (64 of bench_2b's 512)
+        x0 = _pool(st_kv_ptr, st_score_ptr, prev_kv_ptr, prev_score_ptr, ape_ptr, slot, m, d, even, OVERLAP, MP, BR)
+        x1 = _pool(st_kv_ptr, st_score_ptr, prev_kv_ptr, prev_score_ptr, ape_ptr, slot, m, d, even + 1, OVERLAP, MP,
+                   BR)
+        x0 = (x0.to(dt).to(tl.float32) * r * tl.load(w_ptr + even)).to(dt).to(tl.float32)
+        x1 = (x1.to(dt).to(tl.float32) * r * tl.load(w_ptr + even + 1)).to(dt).to(tl.float32)
+        cos, sin = tl.load(cos_ptr + t * RH + j), tl.load(sin_ptr + t * RH + j)
+        tl.store(dst + even, (x0 * cos - x1 * sin).to(dt))
+        tl.store(dst + even + 1, (x0 * sin + x1 * cos).to(dt))
+        if OVERLAP:  # the window's first-half rows, ape added, become the next window's (after the pool's reads)
+            tl.debug_barrier()
+            rr = tl.arange(0, MP)
+            rm = (rr < m)[:, None] & (c < d)[None, :]
+            src = (slot * m + rr[:, None]) * width + c[None, :]
+            dst2 = (slot * m + rr[:, None]) * d + c[None, :]
+            tl.store(prev_kv_ptr + dst2, tl.load(st_kv_ptr + src, mask=rm, other=0.0), mask=rm)
+            tl.store(prev_score_ptr + dst2, tl.load(st_score_ptr + src, mask=rm, other=0.0)
+                     + tl.load(ape_ptr + rr[:, None] * width + c[None, :], mask=rm, other=0.0), mask=rm)
+
+
+@torch.library.custom_op("nano_dsv4::compress_step", mutates_args=("st_kv", "st_score", "prev_kv", "prev_score", "out"))
+def compress_step_triton(kv: torch.Tensor, score: torch.Tensor, st_kv: torch.Tensor, st_score: torch.Tensor,
+                         prev_kv: torch.Tensor, prev_score: torch.Tensor, ape: torch.Tensor, weight: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+                         eps: float) -> None:
+    """kv_cache.KVCache._compressor_step for one token a sequence: kv, score [B, coff*d] fp32 (the step's rows; may be
+    strided), st_kv, st_score [slots, m, coff*d] the partial windows, prev_kv, prev_score [slots, m, d] (overlap, m
+    4: the window before's first-half rows, ape added), ape [m, coff*d], weight [d] the norm's, cos, sin [B, rd/2]
+    fp32 at each window's first position, out [slots, n, d] the entries (model dtype), slots, pos int64 [B]."""
+    (B, width), (m, d) = kv.shape, (st_kv.shape[1], out.shape[2])
+    assert all(t.is_contiguous() for t in (st_kv, st_score, prev_kv, prev_score, out)), "the caches, contiguous"
+    kv, score = (t if t.stride(1) == 1 else t.contiguous() for t in (kv, score))
+    assert kv.stride(0) == score.stride(0), (kv.stride(), score.stride())
+    cos, sin = cos.reshape(B, -1).float().contiguous(), sin.reshape(B, -1).float().contiguous()
+    MP = triton.next_power_of_2(m)
+    _compress_step[(B,)](kv, score, st_kv, st_score, prev_kv, prev_score, ape.contiguous(), weight.float().contiguous(),
+                         cos, sin, out, slots.contiguous(), pos.contiguous(), kv.stride(0), m, d, out.shape[1], eps,
+                         OVERLAP=width == 2 * d, WP=triton.next_power_of_2(width), DP=triton.next_power_of_2(d),
+                         MP=MP, BR=min(MP, COMPRESS_ROWS), RH=cos.shape[1], num_warps=4)
+
+
+COMPRESS_ROWS = 16  # rows of the window a pooling pass loads at once
+compress_step_triton.register_fake(lambda *args: None)

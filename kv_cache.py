@@ -17,7 +17,7 @@ CUDA graph.
 import torch
 
 from kernels import fused_projections
-from kernels_decode import compress_pool_triton, decode_attention_triton, window_kv_triton
+from kernels_decode import compress_step_triton, decode_attention_triton, window_kv_triton
 from kernels_triton import has_triton
 from model_dsv4 import rope_cos_sin, sink_attention, top_k_mask
 
@@ -133,20 +133,22 @@ class KVCache:
         """Add one token's kv/score row to its partial window; when the window completes, pool it into a
         new compressed entry (RoPE at the window's first position) and roll the overlap state.
         Every row is pooled and the result kept only where the window is complete: no host sync, fixed shapes.
-        fast: kernels_decode.compress_pool_triton pools only the complete windows, reading the caches in place.
+        fast: kernels_decode.compress_step_triton does all of it in one kernel, pooling only the complete windows.
         proj: (kv, score) [B, 1, coff*d] from the layer's fused projections, or None: comp.project here."""
         m, d = comp.ratio, comp.head_dim
         kv, score = comp.project(h[:, 0]) if proj is None else (proj[0][:, 0], proj[1][:, 0])  # [B, coff*d]
+        if fast and not comp.fp8_emu:  # all of it in one kernel (kernels_decode.compress_step_triton)
+            cos, sin = rope_cos_sin(self.args, m, (pos + 1 - m)[:, None])  # at the window's first position
+            compress_step_triton(kv, score, c[name + "_kv"], c[name + "_score"], c[name + "_prev_kv"],
+                                 c[name + "_prev_score"], comp.ape, comp.norm.weight, cos[:, 0], sin[:, 0], c[name],
+                                 slots, pos, comp.norm.eps)
+            return
         j = pos % m
         c[name + "_kv"][slots, j], c[name + "_score"][slots, j] = kv, score
         full = (j == m - 1)[:, None]
-        if fast:
-            pooled = compress_pool_triton(c[name + "_kv"], c[name + "_score"], c[name + "_prev_kv"],
-                                          c[name + "_prev_score"], comp.ape, slots, full[:, 0], comp.overlap)[:, None]
-        else:
-            st_kv, st_score = c[name + "_kv"][slots], c[name + "_score"][slots]  # [B, m, coff*d]
-            prev_kv, prev_score = c[name + "_prev_kv"][slots], c[name + "_prev_score"][slots]
-            pooled = comp.pool(st_kv[:, None], st_score[:, None], prev_kv, prev_score)
+        st_kv, st_score = c[name + "_kv"][slots], c[name + "_score"][slots]  # [B, m, coff*d]
+        prev_kv, prev_score = c[name + "_prev_kv"][slots], c[name + "_prev_score"][slots]
+        pooled = comp.pool(st_kv[:, None], st_score[:, None], prev_kv, prev_score)
         entry = comp.finish(pooled, self.args, (pos + 1 - m)[:, None])[:, 0]
         c[name][slots, pos // m] = torch.where(full, entry, c[name][slots, pos // m])
         if comp.overlap:  # the window's first-half rows become the next one's overlap (ratio 4: a few rows)

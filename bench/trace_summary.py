@@ -7,11 +7,12 @@ import collections
 import gzip
 import json
 
-KINDS = [  # (kind, what its kernels' names hold, lower case), first match wins
-    ("Triton, ours", ("_hc_post", "_hc_pre", "_hc_mix", "_sinkhorn", "_decode_attn", "_experts_", "_compress_pool",
-                      "_q_norm", "_sample_", "_route", "_pair_order")),
+KINDS = [  # (kind, what its kernels' names hold, lower case), first match wins: inductor's first, whose names hold
+    # the ops they fused (a custom op's name too)
     ("inductor pointwise", ("triton_poi",)),
     ("inductor reduction", ("triton_red", "triton_per")),
+    ("Triton, ours", ("_hc_post", "_hc_pre", "_hc_mix", "_sinkhorn", "_decode_attn", "_experts_", "_compress_step",
+                      "_window_kv", "_q_norm", "_sample_", "_route", "_pair_order")),
     ("grouped GEMM", ("groupproblemshape", "grouped_gemm")),  # torch._grouped_mm's CUTLASS kernels
     ("dense GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "ampere_", "wgmma")),
     ("sort / top-k", ("sort", "topk", "radix", "bitonic")),

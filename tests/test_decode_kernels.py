@@ -1,18 +1,19 @@
 """kernels_decode.py's kernels against the code they replace: decode_attention_triton against model_dsv4.sink_attention
 on the gathered keys, alone and in the engine's decode; experts_triton against kernels.grouped_experts and
-Expert.forward, alone and in the model's forward without grad; compress_pool_triton against Compressor.pool, alone and
-in the engine's decode; sample_triton against engine.sample_tokens, alone and in the engine; q_norm_rope_triton
+Expert.forward, alone and in the model's forward without grad; compress_step_triton against the cache's compressor
+step, alone and in the engine's decode; sample_triton against engine.sample_tokens, alone and in the engine; q_norm_rope_triton
 against Attention.query; window_kv_triton against Attention.window_kv and the cache's writes, alone and in the
 engine's decode (the routing kernels: test_routing_kernels.py). Without a GPU, Triton's interpreter runs them on CPU
 tensors (kernels_triton.py turns it on); test_kernel_builds.py compiles them for sm_90 and gfx950."""
 import copy
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kernels_decode import (compress_pool_triton, decode_attention_triton,  # before triton: without a GPU it turns
-                            experts_triton, q_norm_rope_triton, sample_triton, window_kv_triton)  # on the interpreter
+from kernels_decode import (decode_attention_triton, experts_triton,  # before triton: without a GPU it turns on
+                            q_norm_rope_triton, sample_triton, window_kv_triton)  # the interpreter
 import engine
 import kernels
 import kv_cache
@@ -99,28 +100,44 @@ def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, mo
         assert (out.double() - exact).abs().max() <= 2 ** -6 * top
 
 
-@pytest.mark.parametrize("ratio,d", [(4, 40), (16, 32), (128, 24)])
-def test_compress_pool_triton_equals_pool(ratio, d):
-    """A decode step's pooling of each sequence's cached window, against Compressor.pool on the rows gathered: ratio 4
-    (CSA: overlapping windows, the previous window's first-half rows in, one sequence with none yet: -inf scores),
-    16 and 128 (HCA); head dims 40 and 24 (not multiples of the kernel's channel block); 5 sequences in cache rows out
-    of order, 2 of them not complete (zeros). fp32, to 1e-5 of the largest entry."""
-    g = torch.Generator().manual_seed(ratio)
+@pytest.mark.parametrize("ratio,d,dtype", [(4, 40, torch.float32), (16, 24, torch.float32),
+                                           (128, 24, torch.float32), (4, 64, torch.bfloat16)])
+def test_compress_step_triton_equals_compressor_step(ratio, d, dtype):
+    """A decode step's compressor in one kernel against KVCache._compressor_step's reference (the rows written,
+    every window pooled and kept where complete, Compressor.finish, the writes): ratio 4 (CSA: overlapping windows,
+    one cache row with no window before: -inf scores), 16 and 128 (HCA, 128 rows in passes of COMPRESS_ROWS); head
+    dims 40 and 24 with RoPE on the last 16 (not powers of two); 5 sequences in cache rows out of order, each stepped
+    ratio + 2 times from its own position, so that each completes a window (one at the first step); the rows read
+    as strided slices, as the fused projections give them. The five caches after every step: the partial windows and
+    the overlap exactly; the entries in fp32 to 1e-5 of the largest, in bf16 a rounding apart (2^-8 of the largest),
+    four under the interpreter, which truncates where the GPU rounds."""
+    g = torch.Generator().manual_seed(ratio + d)
+    args = replace(TINY, qk_rope_head_dim=16)
     comp = Compressor(SimpleNamespace(hidden_size=8, rms_norm_eps=1e-6), ratio, d)
-    comp.ape.data = torch.randn(comp.ape.shape, generator=g)
-    coff, rows = 2 if comp.overlap else 1, 7
-    kv, score = torch.randn(rows, ratio, coff * d, generator=g), torch.randn(rows, ratio, coff * d, generator=g) * 3
-    prev_kv, prev_score = torch.randn(rows, ratio, d, generator=g), torch.randn(rows, ratio, d, generator=g) * 3
-    slots = torch.tensor([4, 0, 6, 2, 5])
-    prev_score[6] = float("-inf")  # no window before
-    full = torch.tensor([True, False, True, True, False])
-    comp, kv, score, prev_kv, prev_score, slots, full = (t.to(DEV) for t in (comp, kv, score, prev_kv, prev_score,
-                                                                              slots, full))
-    out = compress_pool_triton(kv, score, prev_kv, prev_score, comp.ape, slots, full, comp.overlap)
-    with torch.no_grad():
-        ref = comp.pool(kv[slots, None], score[slots, None], prev_kv[slots], prev_score[slots])[:, 0]
-    assert out.shape == (5, d) and (out[~full] == 0).all()
-    assert (out[full] - ref[full]).abs().max() <= 1e-5 * ref[full].abs().max()
+    comp.ape.data, comp.norm.weight.data = torch.randn(comp.ape.shape, generator=g), torch.rand(d, generator=g) + 0.5
+    comp.wkv.weight.data = comp.wkv.weight.data.to(dtype)  # finish rounds the entries to the compressor's dtype
+    coff, rows, n_out = 2 if comp.overlap else 1, 7, 8
+    rnd = lambda *shape: torch.randn(*shape, generator=g)
+    c = {"comp": rnd(rows, n_out, d).to(dtype), "comp_kv": rnd(rows, ratio, coff * d),
+         "comp_score": rnd(rows, ratio, coff * d) * 3, "comp_prev_kv": rnd(rows, ratio, d),
+         "comp_prev_score": rnd(rows, ratio, d) * 3}
+    c["comp_prev_score"][6] = float("-inf")  # no window before
+    comp, c = comp.to(DEV), {k: v.to(DEV) for k, v in c.items()}
+    slots, start = torch.tensor([4, 0, 6, 2, 5], device=DEV), torch.tensor([ratio - 1, 0, 3, 5 * ratio - 2, 1]).to(DEV)
+    ours, ref = c, {k: v.clone() for k, v in c.items()}
+    cache = SimpleNamespace(args=args)
+    for step in range(ratio + 2):
+        wide = rnd(5, 1, 2 * coff * d + 3).to(DEV) * 3
+        proj = (wide[..., 3:3 + coff * d], wide[..., 3 + coff * d:])
+        with torch.no_grad():
+            for fast, caches in ((True, ours), (False, ref)):
+                kv_cache.KVCache._compressor_step(cache, comp, None, caches, "comp", slots, start + step, fast, proj)
+        for k in c:
+            if k != "comp":
+                assert torch.equal(ours[k], ref[k]), (step, k)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -6 if INTERPRETED else 2 ** -8
+        err = (ours["comp"].float() - ref["comp"].float()).abs().max()
+        assert err <= tol * ref["comp"].float().abs().max(), (step, err)
 
 
 def test_engine_decode_on_triton_attention_equals_reference(monkeypatch):

@@ -18,7 +18,7 @@ def test_kernels_compile_for_h200_and_mi355x():
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512 (one program a sequence, and
-    split); the experts' two kernels; the compressor's pooling with and without overlap; the sampler's two kernels;
+    split); the experts' two kernels; the compressor's step with and without overlap; the sampler's two kernels;
     hc_pre's two at bench_2b's sizes (the mixes' tl.dot in each backend's precision, kernels_triton.hc_dot); the
     router (hash and learned, 256 experts) and the pairs' ordering (with the rows' copy and without); the query's
     norm and RoPE and the window key's write at head dim 512. In a subprocess: this process's kernels are
@@ -38,9 +38,10 @@ kernels += [(fn, consts, {"scale": "fp32", **{a: "i32" for a in ("H", "D", "W", 
             for fn, consts in ((kd._decode_attn, attn), (kd._decode_attn_stats, attn),
                                (kd._decode_attn_part, {**attn, "SP": 4}))]
 blocks = {"F32": False, "BLOCK_M": 16, "BLOCK_N": kd.EXPERTS_BLOCK_N, "BLOCK_K": kd.EXPERTS_BLOCK_K}
-kernels += [(kd._compress_pool, {"OVERLAP": o, "MP": m, "BLOCK_D": kd.POOL_BLOCK_D},
-             {"m": "i32", "d": "i32", "slot_ptr": "*i64", "full_ptr": "*u8"}, (), 4)
-            for o, m in ((True, 4), (False, 128))]
+kernels += [(kd._compress_step, {"OVERLAP": o, "WP": 1024 if o else 512, "DP": 512, "MP": m,
+                                  "BR": min(m, kd.COMPRESS_ROWS), "RH": 32},
+             {**{a: "i32" for a in ("row", "m", "d", "n_out")}, "eps": "fp32", "slot_ptr": "*i64", "pos_ptr": "*i64"},
+             ("out_ptr",), 4) for o, m in ((True, 4), (False, 128))]
 kernels += [(fn, consts, {"D": "i32", "I": "i32", "limit": "fp32", "offs_ptr": "*i32"},
              ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "out_ptr"), 4)
             for fn, consts in ((kd._experts_up, {"CLAMP": True, **blocks}), (kd._experts_down, blocks))]
