@@ -6,6 +6,7 @@
 # bench/probe_decode_attn.py (splits 1-4, blocks of 32 / 64 keys, against the gathered reference), decode at batch 64
 # with the model's step timed at the prompts' end and at the mean context (the profile and trace there).
 source bench/gpu_prelude.sh
+python -c "import triton; print(\"triton\", triton.__version__)" >> $O/log.txt
 step tests 150 python -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py tests/test_routing_kernels.py tests/test_kernels_engine.py
 step attn 120 python bench/probe_decode_attn.py
 step decode64 220 python bench.py --what=decode --model=$B2 --seq=32 --batch=64 --new_tokens=1024 --dtype=bfloat16 --compile=layers --no_peer --profile --trace=$O/dtrace.json
