@@ -102,10 +102,24 @@ def _decode_pv(q, win_ptr, comp_ptr, mask_ptr, b, slot, first, L, W, D, n_comp, 
 
 
 @_jit
-def _decode_attn(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, out_ptr, scale, H, D, W, S, n_comp,
-                 HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
+def _unrotate(acc, cos_ptr, sin_ptr, b, D, HEADS: tl.constexpr, DP: tl.constexpr, RH: tl.constexpr):
+    """acc [HEADS, DP] with RoPE undone on the last 2 * RH of its D dims (Attention.output's apply_rope with -sin):
+    pairs (2i, 2i + 1) turned back by sequence b's angles (cos, sin [B, RH] fp32)."""
+    a0, a1 = tl.split(tl.reshape(acc, [HEADS, DP // 2, 2]))
+    k = tl.arange(0, DP // 2) - (D // 2 - RH)  # the pair's index among the rotated ones
+    on = (k >= 0) & (k < RH)
+    c = tl.load(cos_ptr + b * RH + k, mask=on, other=1.0)[None, :]
+    s = tl.load(sin_ptr + b * RH + k, mask=on, other=0.0)[None, :]
+    return tl.reshape(tl.join(a0 * c + a1 * s, a1 * c - a0 * s), [HEADS, DP])
+
+
+@_jit
+def _decode_attn(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, scale, H, D, W,
+                 S, n_comp, HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+                 RH: tl.constexpr):
     """Sequence program_id(0), heads program_id(1) * HEADS on: q [HEADS, DP] against the L = W + S keys whose mask
-    byte is set, and the sink; both passes over all of its keys."""
+    byte is set, and the sink; both passes over all of its keys. RH: RoPE undone on the output's last 2 * RH dims
+    (0: not)."""
     b = tl.program_id(0).to(tl.int64)
     h, d, hm, dm, q, sink, slot = _decode_seq(q_ptr, sink_ptr, slot_ptr, b, tl.program_id(1), H, D, HEADS, DP)
     mx, den = _decode_stats(q, win_ptr, comp_ptr, mask_ptr, b, slot, 0, W + S, W, D, n_comp, scale, d, dm, 1,
@@ -114,13 +128,16 @@ def _decode_attn(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, out_ptr
     den = den * tl.exp(mx - top) + tl.exp(sink - top)
     acc = _decode_pv(q, win_ptr, comp_ptr, mask_ptr, b, slot, 0, W + S, W, D, n_comp, scale, d, dm, 1, top, den,
                      HEADS, DP, BLOCK_N, F32)
+    if RH:
+        acc = _unrotate(acc, cos_ptr, sin_ptr, b, D, HEADS, DP, RH)
     tl.store(out_ptr + (b * H + h[:, None]) * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=hm[:, None] & dm[None, :])
 
 
 @_jit
-def _decode_attn_stats(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, stats_ptr, scale, H, D, W, S, n_comp,
-                       SPLITS, HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
+def _decode_attn_stats(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, cos_ptr, sin_ptr, stats_ptr, scale, H,
+                       D, W, S, n_comp, SPLITS, HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       F32: tl.constexpr, RH: tl.constexpr):
     """Split program_id(2) of the keys (blocks split, split + SPLITS, ...): its max and denominator to stats
     [B, SPLITS, 2, H]."""
     b, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
@@ -133,11 +150,12 @@ def _decode_attn_stats(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, s
 
 
 @_jit
-def _decode_attn_part(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, stats_ptr, part_ptr, scale, H, D, W, S,
-                      n_comp, SPLITS, HEADS: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, BLOCK_N: tl.constexpr,
-                      F32: tl.constexpr):
+def _decode_attn_part(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, cos_ptr, sin_ptr, stats_ptr, part_ptr,
+                      scale, H, D, W, S, n_comp, SPLITS, HEADS: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
+                      BLOCK_N: tl.constexpr, F32: tl.constexpr, RH: tl.constexpr):
     """Split program_id(2) again: the whole row's max and denominator from every split's stats (added in split
-    order), then its blocks' share of the output, fp32, to part [B, SPLITS, H, D]."""
+    order), then its blocks' share of the output, fp32 (RoPE undone: the shares add up to the output's), to part
+    [B, SPLITS, H, D]."""
     b, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
     h, d, hm, dm, q, sink, slot = _decode_seq(q_ptr, sink_ptr, slot_ptr, b, tl.program_id(1), H, D, HEADS, DP)
     sp = tl.arange(0, SP)
@@ -148,28 +166,33 @@ def _decode_attn_part(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, st
     den = tl.sum(dens * tl.exp(mxs - top[None, :]), 0) + tl.exp(sink - top)
     acc = _decode_pv(q, win_ptr, comp_ptr, mask_ptr, b, slot, split, W + S, W, D, n_comp, scale, d, dm, SPLITS, top,
                      den, HEADS, DP, BLOCK_N, F32)
+    if RH:
+        acc = _unrotate(acc, cos_ptr, sin_ptr, b, D, HEADS, DP, RH)
     tl.store(part_ptr + ((b * SPLITS + split) * H + h[:, None]) * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
 
 
 @torch.library.custom_op("nano_dsv4::decode_attention", mutates_args=())
 def decode_attention_triton(q: torch.Tensor, win: torch.Tensor, comp: Optional[torch.Tensor], slots: torch.Tensor,
-                            mask: torch.Tensor, sink: torch.Tensor, scale: float, splits: int = 0) -> torch.Tensor:
+                            mask: torch.Tensor, sink: torch.Tensor, scale: float, cos: Optional[torch.Tensor] = None,
+                            sin: Optional[torch.Tensor] = None, splits: int = 0) -> torch.Tensor:
     """sink_attention for one query token per sequence, reading its keys from the caches: q [B, H, d]; win
     [slots, W, d] and comp [slots, n, d] (or None) the caches (contiguous, q's dtype: bf16, or fp32 for the tests),
     slots [B] each sequence's row, mask bool [B, W + S]: which of the row's W window keys and first S compressed
-    entries to attend; sink [H] fp32 -> [B, H, d] in q's dtype. splits: programs a sequence's keys are split over
-    (0: decode_splits' choice)."""
+    entries to attend; sink [H] fp32 -> [B, H, d] in q's dtype. cos, sin [B, rd/2] fp32 (or None): the output with
+    RoPE undone on its last rd dims, as Attention.output does first (rounded once, not twice). splits: programs a
+    sequence's keys are split over (0: decode_splits' choice)."""
     B, H, D = q.shape
     W, L = win.shape[1], mask.shape[1]
     comp = win if comp is None else comp  # not read: S = 0
     assert win.is_contiguous() and comp.is_contiguous() and q.dtype == win.dtype == comp.dtype
     assert q.dtype in (torch.bfloat16, torch.float32), q.dtype
     splits = splits or decode_splits(L)
+    cos, sin = (sink, sink) if cos is None else (t.reshape(B, -1).float().contiguous() for t in (cos, sin))
     args = (q.contiguous(), win, comp, slots.contiguous(), mask.contiguous().view(torch.uint8),
-            sink.float().contiguous())
+            sink.float().contiguous(), cos, sin)
     sizes = (scale, H, D, W, L - W, comp.shape[1])
     meta = dict(HEADS=HEADS, DP=triton.next_power_of_2(D), BLOCK_N=DECODE_BLOCK_N,
-                F32=INTERPRETED or q.dtype == torch.float32, num_warps=4)
+                F32=INTERPRETED or q.dtype == torch.float32, RH=0 if cos is sink else cos.shape[1], num_warps=4)
     if splits == 1:
         out = torch.empty_like(q)
         _decode_attn[(B, triton.cdiv(H, HEADS))](*args, out, *sizes, **meta)

@@ -190,11 +190,10 @@ class KVCache:
                 score = score.masked_fill(~visible, float("-inf"))
                 visible = visible & top_k_mask(score, attn.indexer.topk)
             mask = torch.cat([mask, visible[:, None]], dim=-1)
-        if attn.fast and has_triton(q) and not torch.is_grad_enabled():  # kernels_decode.py: keys read in place
+        if fast:  # kernels_decode.py: keys read in place, the output's RoPE undone before its one rounding
             o = decode_attention_triton(q[:, 0], c["win"], c.get("comp"), slots, mask[:, 0], attn.attn_sink,
-                                        attn.softmax_scale)[:, None]
-        else:
-            keys = c["win"][slots]  # [B, W, d], then the compressed entries
-            keys = torch.cat([keys, c["comp"][slots, :S]], dim=1) if S else keys
-            o = sink_attention(q, keys, mask, attn.attn_sink, attn.softmax_scale)
-        return attn.output(o, cos, sin)
+                                        attn.softmax_scale, cos[:, 0], sin[:, 0])[:, None]
+            return attn.output(o, cos, sin, rotated=False)
+        keys = c["win"][slots]  # [B, W, d], then the compressed entries
+        keys = torch.cat([keys, c["comp"][slots, :S]], dim=1) if S else keys
+        return attn.output(sink_attention(q, keys, mask, attn.attn_sink, attn.softmax_scale), cos, sin)

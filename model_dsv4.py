@@ -407,10 +407,11 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x) if kv is None else kv), cos, sin)
         return kv_quant_sim(kv, self.args.qk_rope_head_dim) if self.wkv.fp8_emu else kv  # spec §2.3 step 5
 
-    def output(self, o, cos, sin):
-        # o: [B, T, H, d]; undo RoPE on the value's rope slice at the query position, then grouped wo_a, wo_b
+    def output(self, o, cos, sin, rotated=True):
+        # o: [B, T, H, d]; undo RoPE on the value's rope slice at the query position (rotated=False: done already),
+        # then grouped wo_a, wo_b
         B, T = o.shape[:2]
-        o = apply_rope(o, cos[:, None], -sin[:, None])
+        o = apply_rope(o, cos[:, None], -sin[:, None]) if rotated else o
         g = self.args.o_groups
         wo_a = self.wo_a.weight.view(g, self.args.o_lora_rank, -1)  # [g, o_rank, H*d/g]
         u = torch.einsum("btgi,goi->btgo", o.reshape(B, T, g, -1), wo_a)

@@ -2,7 +2,7 @@
 # Session 27, call 2: on the GPU the decode attention split over several programs a sequence
 # (kernels_decode.decode_splits), dispatch's order and row moves in one kernel (kernels_route.sort_pairs_triton), the
 # window key's norm, RoPE and cache write in one (kernels_decode.window_kv_triton), the compressor's step in one
-# (kernels_decode.compress_step_triton): their tests,
+# (kernels_decode.compress_step_triton), the output's RoPE undone inside the attention kernel: their tests,
 # bench/probe_decode_attn.py (splits 1-4, blocks of 32 / 64 keys, against the gathered reference), decode at batch 64
 # with the model's step timed at the prompts' end and at the mean context (the profile and trace there).
 source bench/gpu_prelude.sh

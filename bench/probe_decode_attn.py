@@ -37,7 +37,7 @@ for B in (64, 256):
         for block in (32, 64):
             kd.DECODE_BLOCK_N = block
             for splits in (1, 2, 3, 4):
-                run = lambda: kd.decode_attention_triton(q, win, comp, slots, mask, sink, scale, splits)
+                run = lambda: kd.decode_attention_triton(q, win, comp, slots, mask, sink, scale, splits=splits)
                 err = (run().float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
                 print(f"    blocks of {block}, {splits} a sequence: {graph_us(run):.1f} us (max |Δ| / max |ref| "
                       f"{err:.1e})", flush=True)

@@ -20,7 +20,7 @@ import kv_cache
 from kernels_triton import INTERPRETED
 import model_dsv4
 from conftest import TINY, randomize_
-from model_dsv4 import Attention, Compressor, Expert, Transformer, rope_cos_sin, sink_attention
+from model_dsv4 import Attention, Compressor, Expert, Transformer, apply_rope, rope_cos_sin, sink_attention
 from test_triton import FOUR
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
@@ -28,20 +28,21 @@ pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requ
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("H,D,compressed,dtype,splits", [(3, 40, True, torch.float32, 1),
-                                                          (20, 32, False, torch.float32, 1),
-                                                          (16, 64, True, torch.bfloat16, 1),
-                                                          (3, 40, True, torch.float32, 2),
-                                                          (20, 32, True, torch.float32, 3),
-                                                          (16, 64, True, torch.bfloat16, 2)])
-def test_decode_attention_triton_equals_sink_attention(H, D, compressed, dtype, splits):
+@pytest.mark.parametrize("H,D,compressed,dtype,splits,rope", [(3, 40, True, torch.float32, 1, False),
+                                                               (20, 32, False, torch.float32, 1, True),
+                                                               (16, 64, True, torch.bfloat16, 1, True),
+                                                               (3, 40, True, torch.float32, 2, True),
+                                                               (20, 32, True, torch.float32, 3, False),
+                                                               (16, 64, True, torch.bfloat16, 2, True)])
+def test_decode_attention_triton_equals_sink_attention(H, D, compressed, dtype, splits, rope):
     """One query token per sequence against its cache rows (slots out of order, one cache row never read), the
     window's 8 keys and the first 50 of 60 compressed entries (two blocks of keys: one row attends nothing in the
     second, one nothing at all), against sink_attention on the keys gathered and concatenated, and exact attention
     in fp64. Heads 3 and 20 (padded to blocks of 16), head dims 40 and 32 (padded to a power of two). fp32: to 1e-5
     of the largest output. bf16 (the engine's): the reference to a rounding, the kernel to two (the interpreter
     truncates where the GPU rounds: probabilities and output). Split over 2 programs a sequence (a block each) and 3
-    (the third with no block), as over 1."""
+    (the third with no block), as over 1. rope: RoPE undone on the output's last 16 dims (as Attention.output does),
+    each sequence at its own position."""
     g = torch.Generator().manual_seed(H)
     B, W, n_comp, S = 5, 8, 60, 50 if compressed else 0
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEV, dtype)
@@ -50,16 +51,21 @@ def test_decode_attention_triton_equals_sink_attention(H, D, compressed, dtype, 
     mask = torch.rand(B, W + S, generator=g).to(DEV) < 0.6
     mask[1] = False
     mask[2, 32:] = False
-    out = decode_attention_triton(q, win, comp, slots, mask, sink.float(), D ** -0.5, splits)
+    cos, sin = rope_cos_sin(replace(TINY, qk_rope_head_dim=16), 4, torch.tensor([[3], [70], [5], [0], [999]]).to(DEV))
+    turn = {"cos": cos[:, 0], "sin": sin[:, 0]} if rope else {}
+    out = decode_attention_triton(q, win, comp, slots, mask, sink.float(), D ** -0.5, splits=splits, **turn)
     keys = torch.cat([win[slots], comp[slots, :S]], 1) if compressed else win[slots]
-    ref = sink_attention(q[:, None], keys, mask[:, None], sink.float(), D ** -0.5)[:, 0]
-    exact = sink_attention(q[:, None].double(), keys.double(), mask[:, None], sink.double(), D ** -0.5)[:, 0]
+    ref = sink_attention(q[:, None], keys, mask[:, None], sink.float(), D ** -0.5)
+    exact = sink_attention(q[:, None].double(), keys.double(), mask[:, None], sink.double(), D ** -0.5)
+    if rope:
+        ref, exact = apply_rope(ref, cos[:, None], -sin[:, None]), apply_rope(exact, cos[:, None], -sin[:, None])
+    ref, exact = ref[:, 0], exact[:, 0]
     assert out.shape == ref.shape and out.dtype == dtype and (out[1] == 0).all()  # the sink took all of row 1
     top = exact.abs().max()
     if dtype == torch.float32:
         assert (out.double() - exact).abs().max() <= 1e-5 * top
     else:
-        assert (ref.double() - exact).abs().max() <= 2 ** -8 * top
+        assert (ref.double() - exact).abs().max() <= 2 ** -7 * top  # two roundings with RoPE undone
         assert (out.double() - exact).abs().max() <= 2 ** -6 * top
 
 

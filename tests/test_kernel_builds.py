@@ -18,11 +18,11 @@ def test_kernels_compile_for_h200_and_mi355x():
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512 (one program a sequence, and
-    split); the experts' two kernels; the compressor's step with and without overlap; the sampler's two kernels;
-    hc_pre's two at bench_2b's sizes (the mixes' tl.dot in each backend's precision, kernels_triton.hc_dot); the
-    router (hash and learned, 256 experts) and the pairs' ordering (with the rows' copy and without); the query's
-    norm and RoPE and the window key's write at head dim 512. In a subprocess: this process's kernels are
-    interpreted."""
+    split; RoPE undone on the output); the experts' two kernels; the compressor's step with and without overlap;
+    the sampler's two kernels; hc_pre's two at bench_2b's sizes (the mixes' tl.dot in each backend's precision,
+    kernels_triton.hc_dot); the router (hash and learned, 256 experts) and the pairs' ordering (with the rows' copy
+    and without); the query's norm and RoPE and the window key's write at head dim 512. In a subprocess: this
+    process's kernels are interpreted."""
     code = """
 import kernels_decode as kd, kernels_route as kr, kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
@@ -32,7 +32,7 @@ kernels = [(fn, {"STEPS": 39, "N": 4, "NP": 4, "BLOCK": kt.BLOCK}, {"n_tok": "i3
            for fn in (kt._sinkhorn_fwd, kt._sinkhorn_bwd)]
 kernels += [(fn, {"N": 4, "NP": 4, "BLOCK_D": 2048}, {"D": "i32"}, ("f_ptr", "x_ptr", "y_ptr", "dy_ptr", "df_ptr"),
              8) for fn in (kt._hc_post_fwd, kt._hc_post_bwd)]
-attn = {"HEADS": kd.HEADS, "DP": 512, "BLOCK_N": kd.DECODE_BLOCK_N, "F32": False}
+attn = {"HEADS": kd.HEADS, "DP": 512, "BLOCK_N": kd.DECODE_BLOCK_N, "F32": False, "RH": 32}
 kernels += [(fn, consts, {"scale": "fp32", **{a: "i32" for a in ("H", "D", "W", "S", "n_comp", "SPLITS")},
              "slot_ptr": "*i64", "mask_ptr": "*u8"}, ("q_ptr", "win_ptr", "comp_ptr", "out_ptr"), 4)
             for fn, consts in ((kd._decode_attn, attn), (kd._decode_attn_stats, attn),
