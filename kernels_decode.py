@@ -38,8 +38,9 @@ from kernels_triton import INTERPRETED, _dot, _jit, tl, triton
 # (online), then the probabilities times the keys. At batch 64 that is 64 programs, a sequence each, on an H200's 132
 # SMs, each looping over its keys' blocks one after another (13-17 us a CSA layer, session 26). Where a sequence has
 # more blocks of keys than DECODE_SPLIT_BLOCKS, several programs share them (blocks split, split + splits, ...):
-# each finds its blocks' max and denominator, then, in a second kernel, takes every split's to the row's and adds its
-# blocks' share of the output, in fp32; the shares are added in split order.
+# each finds its blocks' max and denominator, then, in a second kernel, takes every split's to the row's and writes
+# its blocks' share of the output, in fp32; a third adds the shares in split order. The output is rounded, and RoPE
+# undone on its last dims, as Attention.output does it (so the engine rounds where the trainer does).
 
 HEADS = 16  # heads a program: tl.dot's smallest M
 
@@ -102,15 +103,19 @@ def _decode_pv(q, win_ptr, comp_ptr, mask_ptr, b, slot, first, L, W, D, n_comp, 
 
 
 @_jit
-def _unrotate(acc, cos_ptr, sin_ptr, b, D, HEADS: tl.constexpr, DP: tl.constexpr, RH: tl.constexpr):
-    """acc [HEADS, DP] with RoPE undone on the last 2 * RH of its D dims (Attention.output's apply_rope with -sin):
-    pairs (2i, 2i + 1) turned back by sequence b's angles (cos, sin [B, RH] fp32)."""
-    a0, a1 = tl.split(tl.reshape(acc, [HEADS, DP // 2, 2]))
-    k = tl.arange(0, DP // 2) - (D // 2 - RH)  # the pair's index among the rotated ones
-    on = (k >= 0) & (k < RH)
-    c = tl.load(cos_ptr + b * RH + k, mask=on, other=1.0)[None, :]
-    s = tl.load(sin_ptr + b * RH + k, mask=on, other=0.0)[None, :]
-    return tl.reshape(tl.join(a0 * c + a1 * s, a1 * c - a0 * s), [HEADS, DP])
+def _finish(acc, cos_ptr, sin_ptr, b, D, dt, HEADS: tl.constexpr, DP: tl.constexpr, RH: tl.constexpr):
+    """The output acc [HEADS, DP] fp32 rounded to dt, and with RH, RoPE undone on the last 2 * RH of its D dims as
+    Attention.output does it (apply_rope with -sin: the pairs (2i, 2i + 1) of the rounded output turned back in fp32
+    by sequence b's angles, cos, sin [B, RH] fp32, and rounded again): the engine rounds where the trainer does."""
+    acc = acc.to(dt)
+    if RH:
+        a0, a1 = tl.split(tl.reshape(acc.to(tl.float32), [HEADS, DP // 2, 2]))
+        k = tl.arange(0, DP // 2) - (D // 2 - RH)  # the pair's index among the rotated ones
+        on = (k >= 0) & (k < RH)
+        c = tl.load(cos_ptr + b * RH + k, mask=on, other=1.0)[None, :]
+        s = tl.load(sin_ptr + b * RH + k, mask=on, other=0.0)[None, :]
+        acc = tl.reshape(tl.join(a0 * c + a1 * s, a1 * c - a0 * s), [HEADS, DP]).to(dt)
+    return acc
 
 
 @_jit
@@ -128,10 +133,8 @@ def _decode_attn(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, cos_ptr
     den = den * tl.exp(mx - top) + tl.exp(sink - top)
     acc = _decode_pv(q, win_ptr, comp_ptr, mask_ptr, b, slot, 0, W + S, W, D, n_comp, scale, d, dm, 1, top, den,
                      HEADS, DP, BLOCK_N, F32)
-    if RH:
-        acc = _unrotate(acc, cos_ptr, sin_ptr, b, D, HEADS, DP, RH)
-    tl.store(out_ptr + (b * H + h[:, None]) * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=hm[:, None] & dm[None, :])
+    tl.store(out_ptr + (b * H + h[:, None]) * D + d[None, :],
+             _finish(acc, cos_ptr, sin_ptr, b, D, out_ptr.dtype.element_ty, HEADS, DP, RH), mask=hm[:, None] & dm[None, :])
 
 
 @_jit
@@ -151,11 +154,10 @@ def _decode_attn_stats(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, c
 
 @_jit
 def _decode_attn_part(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, cos_ptr, sin_ptr, stats_ptr, part_ptr,
-                      scale, H, D, W, S, n_comp, SPLITS, HEADS: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
+                      scale, H, D, W, S, n_comp, SPLITS, B, HEADS: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
                       BLOCK_N: tl.constexpr, F32: tl.constexpr, RH: tl.constexpr):
     """Split program_id(2) again: the whole row's max and denominator from every split's stats (added in split
-    order), then its blocks' share of the output, fp32 (RoPE undone: the shares add up to the output's), to part
-    [B, SPLITS, H, D]."""
+    order), then its blocks' share of the output, fp32, to part [SPLITS, B, H, D]."""
     b, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
     h, d, hm, dm, q, sink, slot = _decode_seq(q_ptr, sink_ptr, slot_ptr, b, tl.program_id(1), H, D, HEADS, DP)
     sp = tl.arange(0, SP)
@@ -166,9 +168,22 @@ def _decode_attn_part(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, co
     den = tl.sum(dens * tl.exp(mxs - top[None, :]), 0) + tl.exp(sink - top)
     acc = _decode_pv(q, win_ptr, comp_ptr, mask_ptr, b, slot, split, W + S, W, D, n_comp, scale, d, dm, SPLITS, top,
                      den, HEADS, DP, BLOCK_N, F32)
-    if RH:
-        acc = _unrotate(acc, cos_ptr, sin_ptr, b, D, HEADS, DP, RH)
-    tl.store(part_ptr + ((b * SPLITS + split) * H + h[:, None]) * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
+    tl.store(part_ptr + ((split * B + b) * H + h[:, None]) * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
+
+
+@_jit
+def _decode_attn_sum(part_ptr, cos_ptr, sin_ptr, out_ptr, B, H, D, SPLITS, HEADS: tl.constexpr, DP: tl.constexpr,
+                     RH: tl.constexpr):
+    """Sequence program_id(0), heads program_id(1) * HEADS on: the splits' shares (part [SPLITS, B, H, D] fp32)
+    added in split order, finished as one program's output (_finish) into out [B, H, D]."""
+    b = tl.program_id(0).to(tl.int64)
+    h, d = tl.program_id(1) * HEADS + tl.arange(0, HEADS), tl.arange(0, DP)
+    m = (h < H)[:, None] & (d < D)[None, :]
+    acc = tl.zeros([HEADS, DP], dtype=tl.float32)
+    for split in range(SPLITS):
+        acc += tl.load(part_ptr + ((split * B + b) * H + h[:, None]) * D + d[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + (b * H + h[:, None]) * D + d[None, :],
+             _finish(acc, cos_ptr, sin_ptr, b, D, out_ptr.dtype.element_ty, HEADS, DP, RH), mask=m)
 
 
 @torch.library.custom_op("nano_dsv4::decode_attention", mutates_args=())
@@ -179,14 +194,14 @@ def decode_attention_triton(q: torch.Tensor, win: torch.Tensor, comp: Optional[t
     [slots, W, d] and comp [slots, n, d] (or None) the caches (contiguous, q's dtype: bf16, or fp32 for the tests),
     slots [B] each sequence's row, mask bool [B, W + S]: which of the row's W window keys and first S compressed
     entries to attend; sink [H] fp32 -> [B, H, d] in q's dtype. cos, sin [B, rd/2] fp32 (or None): the output with
-    RoPE undone on its last rd dims, as Attention.output does first (rounded once, not twice). splits: programs a
+    RoPE undone on its last rd dims, as Attention.output does first, with the same roundings. splits: programs a
     sequence's keys are split over (0: decode_splits' choice)."""
     B, H, D = q.shape
     W, L = win.shape[1], mask.shape[1]
     comp = win if comp is None else comp  # not read: S = 0
     assert win.is_contiguous() and comp.is_contiguous() and q.dtype == win.dtype == comp.dtype
     assert q.dtype in (torch.bfloat16, torch.float32), q.dtype
-    splits = splits or decode_splits(L)
+    splits = splits or decode_splits(L, B * triton.cdiv(H, HEADS))
     cos, sin = (sink, sink) if cos is None else (t.reshape(B, -1).float().contiguous() for t in (cos, sin))
     args = (q.contiguous(), win, comp, slots.contiguous(), mask.contiguous().view(torch.uint8),
             sink.float().contiguous(), cos, sin)
@@ -200,19 +215,24 @@ def decode_attention_triton(q: torch.Tensor, win: torch.Tensor, comp: Optional[t
     grid = (B, triton.cdiv(H, HEADS), splits)
     stats = q.new_empty(B, splits, 2, H, dtype=torch.float32)
     _decode_attn_stats[grid](*args, stats, *sizes, splits, **meta)
-    part = q.new_empty(B, splits, H, D, dtype=torch.float32)
-    _decode_attn_part[grid](*args, stats, part, *sizes, splits, SP=triton.next_power_of_2(splits), **meta)
-    return part.sum(1).to(q.dtype)
+    part = q.new_empty(splits, B, H, D, dtype=torch.float32)
+    _decode_attn_part[grid](*args, stats, part, *sizes, splits, B, SP=triton.next_power_of_2(splits), **meta)
+    out = torch.empty_like(q)
+    _decode_attn_sum[grid[:2]](part, cos, sin, out, B, H, D, splits, HEADS=HEADS, DP=meta["DP"], RH=meta["RH"],
+                               num_warps=4)
+    return out
 
 
-def decode_splits(L):
-    """Programs a sequence's L keys are split over: one for up to DECODE_SPLIT_BLOCKS blocks of keys, else one
-    for every DECODE_SPLIT_BLOCKS, at most DECODE_MAX_SPLITS. At batch 64 one program a sequence keeps about half
-    of an H200's 132 SMs busy."""
-    return max(1, min(DECODE_MAX_SPLITS, triton.cdiv(L, DECODE_BLOCK_N) // DECODE_SPLIT_BLOCKS))
+def decode_splits(L, programs):
+    """Programs a sequence's L keys are split over, where the step has `programs` programs of one: up to
+    DECODE_PROGRAMS in all (an H200 has 132 SMs), one for every DECODE_SPLIT_BLOCKS blocks of keys, at most
+    DECODE_MAX_SPLITS. bench/probe_decode_attn.py, session 27: a CSA layer mid-generation (264 keys) at batch 64
+    took 46 us in one program a sequence, 38 in 2, 34 in 3; at batch 256 splitting was slower (77 us, 97 in 2)."""
+    return max(1, min(DECODE_MAX_SPLITS, triton.cdiv(L, DECODE_BLOCK_N) // DECODE_SPLIT_BLOCKS,
+                      DECODE_PROGRAMS // programs))
 
 
-DECODE_BLOCK_N, DECODE_SPLIT_BLOCKS, DECODE_MAX_SPLITS = 32, 4, 4
+DECODE_BLOCK_N, DECODE_SPLIT_BLOCKS, DECODE_MAX_SPLITS, DECODE_PROGRAMS = 32, 4, 4, 192
 decode_attention_triton.register_fake(lambda q, *rest, **kw: torch.empty_like(q))
 
 

@@ -33,7 +33,7 @@ for B in (64, 256):
         ref = reference(q, keys, mask, sink)[:, 0]
         t_ref = graph_us(lambda: reference(q, keys, mask, sink))
         print(f"  batch {B}, {name} ({W + kept} keys of {W + cap}): gathered reference, compiled {t_ref:.1f} us "
-              f"(without the gather); auto splits {kd.decode_splits(W + cap)}", flush=True)
+              f"(without the gather); auto splits {kd.decode_splits(W + cap, B)}", flush=True)
         for block in (32, 64):
             kd.DECODE_BLOCK_N = block
             for splits in (1, 2, 3, 4):

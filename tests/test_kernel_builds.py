@@ -33,10 +33,11 @@ kernels = [(fn, {"STEPS": 39, "N": 4, "NP": 4, "BLOCK": kt.BLOCK}, {"n_tok": "i3
 kernels += [(fn, {"N": 4, "NP": 4, "BLOCK_D": 2048}, {"D": "i32"}, ("f_ptr", "x_ptr", "y_ptr", "dy_ptr", "df_ptr"),
              8) for fn in (kt._hc_post_fwd, kt._hc_post_bwd)]
 attn = {"HEADS": kd.HEADS, "DP": 512, "BLOCK_N": kd.DECODE_BLOCK_N, "F32": False, "RH": 32}
-kernels += [(fn, consts, {"scale": "fp32", **{a: "i32" for a in ("H", "D", "W", "S", "n_comp", "SPLITS")},
+kernels += [(fn, consts, {"scale": "fp32", **{a: "i32" for a in ("H", "D", "W", "S", "n_comp", "SPLITS", "B")},
              "slot_ptr": "*i64", "mask_ptr": "*u8"}, ("q_ptr", "win_ptr", "comp_ptr", "out_ptr"), 4)
             for fn, consts in ((kd._decode_attn, attn), (kd._decode_attn_stats, attn),
-                               (kd._decode_attn_part, {**attn, "SP": 4}))]
+                               (kd._decode_attn_part, {**attn, "SP": 4}),
+                               (kd._decode_attn_sum, {a: attn[a] for a in ("HEADS", "DP", "RH")}))]
 blocks = {"F32": False, "BLOCK_M": 16, "BLOCK_N": kd.EXPERTS_BLOCK_N, "BLOCK_K": kd.EXPERTS_BLOCK_K}
 kernels += [(kd._compress_step, {"OVERLAP": o, "WP": 1024 if o else 512, "DP": 512, "MP": m,
                                   "BR": min(m, kd.COMPRESS_ROWS), "RH": 32},
@@ -77,4 +78,4 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 42, out.stdout
+    assert out.stdout.count("compiled") == 44, out.stdout
