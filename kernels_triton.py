@@ -10,8 +10,8 @@ and gfx950):
     sum) as two kernels (a split GEMM for the mixes, then the rest a token), for the few tokens of a decode step
     (no backward).
 
-The engine's decode-step kernels are in kernels_decode.py, which takes this module's shared pieces (the interpreter
-switch, _dot, has_triton).
+The engine's decode-step kernels are in kernels_decode.py and kernels_attention.py, the router's in kernels_route.py;
+they take this module's shared pieces (the interpreter switch, _dot, has_triton).
 
 Each is a torch.library custom op, so torch.compile keeps it as it is and a CUDA graph records it. Triton ships with
 torch's GPU builds (CUDA and ROCm). Without a GPU, Triton's interpreter runs the same kernels on CPU tensors: the

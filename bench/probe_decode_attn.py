@@ -1,4 +1,4 @@
-"""The decode attention kernel (kernels_decode.decode_attention_triton) at bench_2b's sizes (16 heads, head dim 512,
+"""The decode attention kernel (kernels_attention.decode_attention_triton) at bench_2b's sizes (16 heads, head dim 512,
 window 128), bf16, as the engine runs it mid-generation of 32 + 1024 tokens (position 544; caches sized for 1056): a
 window layer (128 keys), an HCA layer (the window and 4 of 9 compressed entries) and a CSA layer (the window and 136
 of 264), at batch 64 and 256, over 1-4 programs a sequence (splits) and blocks of 32 or 64 keys, each as CUDA-graph
@@ -11,7 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import kernels_decode as kd  # noqa: E402  (first: without a GPU it turns on Triton's interpreter)
+import kernels_attention as kd  # noqa: E402  (first: without a GPU it turns on Triton's interpreter)
 from model_dsv4 import sink_attention  # noqa: E402
 from probe_timing import graph_us  # noqa: E402
 

@@ -1,10 +1,11 @@
-"""kernels_decode.py's kernels against the code they replace: decode_attention_triton against model_dsv4.sink_attention
-on the gathered keys, alone and in the engine's decode; experts_triton against kernels.grouped_experts and
-Expert.forward, alone and in the model's forward without grad; compress_step_triton against the cache's compressor
-step, alone and in the engine's decode; sample_triton against engine.sample_tokens, alone and in the engine; q_norm_rope_triton
-against Attention.query; window_kv_triton against Attention.window_kv and the cache's writes, alone and in the
-engine's decode (the routing kernels: test_routing_kernels.py). Without a GPU, Triton's interpreter runs them on CPU
-tensors (kernels_triton.py turns it on); test_kernel_builds.py compiles them for sm_90 and gfx950."""
+"""kernels_decode.py's and kernels_attention.py's kernels against the code they replace: decode_attention_triton against
+model_dsv4.sink_attention on the gathered keys, alone and in the engine's decode; experts_triton against
+kernels.grouped_experts and Expert.forward, alone and in the model's forward without grad; compress_step_triton
+against the cache's compressor step, alone and in the engine's decode; sample_triton against engine.sample_tokens,
+alone and in the engine; q_norm_rope_triton against Attention.query; window_kv_triton against Attention.window_kv and
+the cache's writes, alone and in the engine's decode (the routing kernels: test_routing_kernels.py). Without a GPU,
+Triton's interpreter runs them on CPU tensors (kernels_triton.py turns it on); test_kernel_builds.py compiles them
+for sm_90 and gfx950."""
 import copy
 from dataclasses import replace
 from types import SimpleNamespace
@@ -12,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels_decode import (decode_attention_triton, experts_triton,  # before triton: without a GPU it turns on
-                            q_norm_rope_triton, sample_triton, window_kv_triton)  # the interpreter
+from kernels_attention import decode_attention_triton  # before triton: without a GPU it turns on the interpreter
+from kernels_decode import experts_triton, q_norm_rope_triton, sample_triton, window_kv_triton
 import engine
 import kernels
 import kv_cache

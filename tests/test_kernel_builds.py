@@ -1,6 +1,6 @@
-"""Every Triton kernel of the project (kernels_triton.py, kernels_decode.py, kernels_route.py) compiled to machine code
-for the H200 and the MI355X, without a GPU. Their values are tested against their references in test_triton.py,
-test_decode_kernels.py and test_routing_kernels.py."""
+"""Every Triton kernel of the project (kernels_triton.py, kernels_decode.py, kernels_attention.py, kernels_route.py)
+compiled to machine code for the H200 and the MI355X, without a GPU. Their values are tested against their references
+in test_triton.py, test_decode_kernels.py and test_routing_kernels.py."""
 import os
 import subprocess
 import sys
@@ -24,7 +24,7 @@ def test_kernels_compile_for_h200_and_mi355x():
     and without); the query's norm and RoPE and the window key's write at head dim 512. In a subprocess: this
     process's kernels are interpreted."""
     code = """
-import kernels_decode as kd, kernels_route as kr, kernels_triton as kt, triton
+import kernels_attention as ka, kernels_decode as kd, kernels_route as kr, kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 # (kernel, constexprs, scalar arguments, bf16 pointers (the others fp32), warps)
@@ -32,12 +32,12 @@ kernels = [(fn, {"STEPS": 39, "N": 4, "NP": 4, "BLOCK": kt.BLOCK}, {"n_tok": "i3
            for fn in (kt._sinkhorn_fwd, kt._sinkhorn_bwd)]
 kernels += [(fn, {"N": 4, "NP": 4, "BLOCK_D": 2048}, {"D": "i32"}, ("f_ptr", "x_ptr", "y_ptr", "dy_ptr", "df_ptr"),
              8) for fn in (kt._hc_post_fwd, kt._hc_post_bwd)]
-attn = {"HEADS": kd.HEADS, "DP": 512, "BLOCK_N": kd.DECODE_BLOCK_N, "F32": False, "RH": 32}
+attn = {"HEADS": ka.HEADS, "DP": 512, "BLOCK_N": ka.DECODE_BLOCK_N, "F32": False, "RH": 32}
 kernels += [(fn, consts, {"scale": "fp32", **{a: "i32" for a in ("H", "D", "W", "S", "n_comp", "SPLITS", "B")},
              "slot_ptr": "*i64", "mask_ptr": "*u8"}, ("q_ptr", "win_ptr", "comp_ptr", "out_ptr"), 4)
-            for fn, consts in ((kd._decode_attn, attn), (kd._decode_attn_stats, attn),
-                               (kd._decode_attn_part, {**attn, "SP": 4}),
-                               (kd._decode_attn_sum, {a: attn[a] for a in ("HEADS", "DP", "RH")}))]
+            for fn, consts in ((ka._decode_attn, attn), (ka._decode_attn_stats, attn),
+                               (ka._decode_attn_part, {**attn, "SP": 4}),
+                               (ka._decode_attn_sum, {a: attn[a] for a in ("HEADS", "DP", "RH")}))]
 blocks = {"F32": False, "BLOCK_M": 16, "BLOCK_N": kd.EXPERTS_BLOCK_N, "BLOCK_K": kd.EXPERTS_BLOCK_K}
 kernels += [(kd._compress_step, {"OVERLAP": o, "WP": 1024 if o else 512, "DP": 512, "MP": m,
                                   "BR": min(m, kd.COMPRESS_ROWS), "RH": 32},
