@@ -191,7 +191,7 @@ class KVCache:
                 score = score.masked_fill(~visible, float("-inf"))
                 visible = visible & top_k_mask(score, attn.indexer.topk)
             mask = torch.cat([mask, visible[:, None]], dim=-1)
-        if fast:  # kernels_attention.py: keys read in place, the output's RoPE undone inside, rounded as output() rounds
+        if fast:  # kernels_attention.py: keys read in place, the output's RoPE undone inside, as output() rounds
             o = decode_attention_triton(q[:, 0], c["win"], c.get("comp"), slots, mask[:, 0], attn.attn_sink,
                                         attn.softmax_scale, cos[:, 0], sin[:, 0])[:, None]
             return attn.output(o, cos, sin, rotated=False)
