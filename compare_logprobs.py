@@ -170,10 +170,11 @@ def line(name, r):
 
 class Trace:
     """Records, per module name, the output row of every token position it processed. Forward hooks on the
-    modules both paths call (attention projections, norms, MoE), wrappers around hc_pre / hc_post (methods,
-    not modules) and logits. The driver sets `pos`, the positions of the tokens of the next call, and calls
-    close() after the run, which puts the model back as it was."""
-    MODULES = ("attn_norm", "attn.wq_a", "attn.wkv", "attn.wo_b", "ffn_norm", "ffn")
+    modules both paths call (attention projections, MoE), wrappers around hc_pre (whose output is the sublayer's
+    normed input: the norm is in the decode's hc_pre kernel) / hc_post (methods, not modules) and logits. The
+    driver sets `pos`, the positions of the tokens of the next call, and calls close() after the run, which puts the
+    model back as it was."""
+    MODULES = ("attn.wq_a", "attn.wkv", "attn.wo_b", "ffn")
 
     def __init__(self, model):
         self.rec, self.pos, self.handles, self.model = {}, None, [], model
@@ -195,10 +196,10 @@ class Trace:
 
     def wrap_hc(self, blk, prefix):
         pre, post = blk.hc_pre, blk.hc_post
-        def hc_pre(x, fn, scale, base):
+        def hc_pre(x, fn, scale, base, norm=None):
             blk.sub = "attn" if fn is blk.hc_attn_fn else "ffn"
-            out = pre(x, fn, scale, base)
-            self.put(f"{prefix}.hc_pre.{blk.sub}", out[0])  # the collapsed input of the sublayer
+            out = pre(x, fn, scale, base, norm)
+            self.put(f"{prefix}.hc_pre.{blk.sub}", out[0])  # the collapsed input of the sublayer (normed)
             return out
         return hc_pre, lambda *a: self.put(f"{prefix}.hc_post.{blk.sub}", post(*a))  # the n streams after it
 

@@ -350,6 +350,7 @@ def compile_layers(backend="inductor", graphs=False):
     # the trainer's last stage: the head and a loss in one graph (parallel.head_loss; the two above inline into it)
     parallel.head_loss = trainer(parallel.head_loss)
     kv_cache.KVCache.decode_layer = torch.compile(kv_cache.KVCache.decode_layer, backend=backend)
+    kv_cache.KVCache.step_rope = torch.compile(kv_cache.KVCache.step_rope, backend=backend)  # the tables: a kernel
     engine.sample_tokens = torch.compile(engine.sample_tokens, backend=backend)  # the Gumbel noise: one kernel
 
 

@@ -18,6 +18,7 @@ torch's GPU builds (CUDA and ROCm). Without a GPU, Triton's interpreter runs the
 tests use that; the model takes the reference there (has_triton).
 """
 import os
+from typing import Optional
 
 import torch
 
@@ -299,11 +300,12 @@ def _hc_mix_parts(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, R: tl.constexpr, RP: tl
 
 
 @_jit
-def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_ptr, T, S, D, norm_eps, hc_eps,
-            N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, STEPS: tl.constexpr, SB: tl.constexpr,
-            BLOCK_D: tl.constexpr):
+def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, T, S, D, norm_eps, hc_eps,
+            out_eps, N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, STEPS: tl.constexpr, SB: tl.constexpr,
+            BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     """Token program_id(0): its S partials -> h [D], post [N], comb [N, N]; the same steps as mhc.hc_mixes,
-    hc_split_sinkhorn and Block.hc_pre's sum. The partials are read in the shapes they are used in (pre and post
+    hc_split_sinkhorn and Block.hc_pre's sum; NORM (then BLOCK_D >= D): h through RMSNorm's steps, weight nw and
+    eps out_eps, after its rounding to h's dtype. The partials are read in the shapes they are used in (pre and post
     [SB, NP], comb's [SB, NP, NP]), SB blocks of K at a time. The streams' first BLOCK_D channels (all of them for
     D <= BLOCK_D) are loaded before the partials, so that the two loads overlap, and the weighted sum comes before
     the Sinkhorn, so that the stores need not wait for that loop."""
@@ -326,7 +328,12 @@ def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_
     norm = tl.rsqrt(tl.sum(ss, 0) / (N * D) + norm_eps)
     pre = tl.sigmoid(pre * norm * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=im, other=0.0)) + hc_eps
     # the sublayer's input: the streams weighted by pre, summed in fp32
-    tl.store(h_ptr + t * D + d, tl.sum(pre[:, None] * x0.to(tl.float32), 0).to(h_ptr.dtype.element_ty), mask=d < D)
+    h = tl.sum(pre[:, None] * x0.to(tl.float32), 0).to(h_ptr.dtype.element_ty)
+    if NORM:
+        hf = h.to(tl.float32)
+        r = tl.rsqrt(tl.sum(hf * hf, 0) / D + out_eps)
+        h = (hf * r * tl.load(nw_ptr + d, mask=d < D, other=0.0)).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + t * D + d, h, mask=d < D)
     for d0 in range(BLOCK_D, D, BLOCK_D):
         dd = d0 + d
         xv = tl.load(x_ptr + t * K + i[:, None] * D + dd[None, :], mask=im[:, None] & (dd < D)[None, :], other=0.0)
@@ -352,9 +359,11 @@ def hc_dot(backend):
 
 @torch.library.custom_op("nano_dsv4::hc_pre", mutates_args=())
 def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
-                  hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  hc_eps: float, norm_eps: float, weight: Optional[torch.Tensor] = None,
+                  out_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block.hc_pre without grad: x [..., n, D] -> the sublayer's input [..., D] (x's dtype), post [..., n] and
-    comb [..., n, n] (fp32); fn [(2+n)*n, n*D], scale [3], base [(2+n)*n] fp32."""
+    comb [..., n, n] (fp32); fn [(2+n)*n, n*D], scale [3], base [(2+n)*n] fp32. weight [D] fp32: the input through
+    RMSNorm(weight, out_eps), as Block.hc_pre's norm does (one kernel less a sublayer in a decode step)."""
     *lead, n, D = x.shape
     xf = x.reshape(-1, n * D).contiguous()
     (T, K), R = xf.shape, fn.shape[0]
@@ -364,12 +373,15 @@ def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
                                              DOT=hc_dot("hip" if torch.version.hip else "cuda"), num_warps=4)
     post, comb = xf.new_empty(T, n, dtype=torch.float32), xf.new_empty(T, n, n, dtype=torch.float32)
     h = x.new_empty(T, D)
-    _hc_pre[(T,)](xf, part, ss, scale.contiguous(), base.contiguous(), h, post, comb, T, S, D, norm_eps, hc_eps,
-                  N=n, NP=triton.next_power_of_2(n), RP=RP, STEPS=2 * iters - 1,
-                  SB=min(64, triton.next_power_of_2(S)), BLOCK_D=min(2048, triton.next_power_of_2(D)), num_warps=4)
+    norm = weight is not None
+    block = triton.next_power_of_2(D) if norm else min(2048, triton.next_power_of_2(D))  # the norm: all of D at once
+    _hc_pre[(T,)](xf, part, ss, scale.contiguous(), base.contiguous(), weight.contiguous() if norm else scale, h, post,
+                  comb, T, S, D, norm_eps, hc_eps, out_eps, N=n, NP=triton.next_power_of_2(n), RP=RP,
+                  STEPS=2 * iters - 1, SB=min(64, triton.next_power_of_2(S)), BLOCK_D=block, NORM=norm,
+                  num_warps=4 if block <= 2048 else 8)
     return h.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 
-hc_pre_triton.register_fake(lambda x, fn, scale, base, iters, hc_eps, norm_eps: (
+hc_pre_triton.register_fake(lambda x, fn, scale, base, iters, hc_eps, norm_eps, weight=None, out_eps=0.0: (
     x.new_empty(*x.shape[:-2], x.shape[-1]), x.new_empty(x.shape[:-1], dtype=torch.float32),
     x.new_empty(*x.shape[:-1], x.shape[-2], dtype=torch.float32)))

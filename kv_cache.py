@@ -74,8 +74,7 @@ class KVCache:
         pos = torch.arange(ids.shape[1], device=self.device)
         slot_t, L = torch.tensor(slots, device=self.device), torch.tensor(lengths, device=self.device)
         for layer, c in zip(model.layers.values(), self.layers):
-            h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
-            h = layer.attn_norm(h)
+            h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
             attn = layer.attn
             # what decode needs from the prompt: the last window of KV, compressed entries, partial windows
             cos, sin = rope_cos_sin(a, attn.ratio, pos)
@@ -84,8 +83,8 @@ class KVCache:
                      ("idx", attn.indexer.compressor if attn.indexer else None)) if cp is not None]
             self._fill(c, slot_t, L, kv, comps)
             x = layer.hc_post(attn(h), x, post, comb)
-            h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
-            x = layer.hc_post(layer.ffn(layer.ffn_norm(h), ids), x, post, comb)
+            h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)
+            x = layer.hc_post(layer.ffn(h, ids), x, post, comb)
         return model.logits(x[torch.arange(len(prompts), device=self.device), L - 1][:, None])[:, 0]
 
     def _fill(self, c, slots, L, kv, comps):
@@ -117,29 +116,39 @@ class KVCache:
     def decode(self, model, slots, tokens, pos):
         """One token per sequence: slots, tokens, pos int64 [B] on the device -> fp32 logits [B, vocab]."""
         x = model.embed_streams(tokens[:, None])  # [B, 1, n, D]
+        rope = self.step_rope(model, pos)
         for layer, c in zip(model.layers.values(), self.layers):
-            x = self.decode_layer(layer, c, x, slots, tokens, pos)
+            x = self.decode_layer(layer, c, x, slots, tokens, pos, rope)
         return model.logits(x)[:, 0]
 
-    def decode_layer(self, layer, c, x, slots, tokens, pos):
-        # one Block.forward for one token per sequence, reading and writing the layer's cache c
+    def step_rope(self, model, pos):
+        """The step's RoPE angles, once for all layers (each layer's took ~4 small kernels; kernels.compile_layers
+        compiles this too): cos/sin [B, 1, rd/2] at each sequence's position for the layers of each base (key
+        ("pos", ratio > 0)), and at the first position of the window that ends there for each compress ratio m
+        (key ("start", m)), where the compressors' entries are rotated."""
+        ratios = {layer.attn.ratio for layer in model.layers.values()}
+        rope = {("pos", r > 0): rope_cos_sin(self.args, r, pos[:, None]) for r in sorted(ratios)}
+        return rope | {("start", m): rope_cos_sin(self.args, m, (pos + 1 - m)[:, None]) for m in sorted(ratios) if m}
+
+    def decode_layer(self, layer, c, x, slots, tokens, pos, rope):
+        # one Block.forward for one token per sequence, reading and writing the layer's cache c; rope: step_rope's
         # (kernels.compile_layers compiles this: layers of one kind share the compiled code)
-        h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
-        x = layer.hc_post(self._attn_decode(layer.attn, layer.attn_norm(h), c, slots, pos), x, post, comb)
-        h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
-        h = layer.ffn_norm(h)
+        h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
+        x = layer.hc_post(self._attn_decode(layer.attn, h, c, slots, pos, rope), x, post, comb)
+        h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)
         return layer.hc_post(layer.ffn(h, tokens[:, None], fused_projections(layer.ffn, h)), x, post, comb)
 
-    def _compressor_step(self, comp, h, c, name, slots, pos, fast, proj):
+    def _compressor_step(self, comp, h, c, name, slots, pos, fast, proj, rope):
         """Add one token's kv/score row to its partial window; when the window completes, pool it into a
         new compressed entry (RoPE at the window's first position) and roll the overlap state.
         Every row is pooled and the result kept only where the window is complete: no host sync, fixed shapes.
         fast: kernels_decode.compress_step_triton does all of it in one kernel, pooling only the complete windows.
-        proj: (kv, score) [B, 1, coff*d] from the layer's fused projections, or None: comp.project here."""
+        proj: (kv, score) [B, 1, coff*d] from the layer's fused projections, or None: comp.project here.
+        rope: step_rope's tables."""
         m, d = comp.ratio, comp.head_dim
         kv, score = comp.project(h[:, 0]) if proj is None else (proj[0][:, 0], proj[1][:, 0])  # [B, coff*d]
         if fast and not comp.fp8_emu:  # all of it in one kernel (kernels_decode.compress_step_triton)
-            cos, sin = rope_cos_sin(self.args, m, (pos + 1 - m)[:, None])  # at the window's first position
+            cos, sin = rope[("start", m)]  # at the window's first position
             compress_step_triton(kv, score, c[name + "_kv"], c[name + "_score"], c[name + "_prev_kv"],
                                  c[name + "_prev_score"], comp.ape, comp.norm.weight, cos[:, 0], sin[:, 0], c[name],
                                  slots, pos, comp.norm.eps)
@@ -158,9 +167,9 @@ class KVCache:
             c[name + "_prev_kv"][slots] = torch.where(full[:, None], st_kv, prev_kv)
             c[name + "_prev_score"][slots] = torch.where(full[:, None], st_score + comp.ape[:, :d], prev_score)
 
-    def _attn_decode(self, attn, h, c, slots, pos):
+    def _attn_decode(self, attn, h, c, slots, pos, rope):
         a = self.args
-        cos, sin = rope_cos_sin(a, attn.ratio, pos[:, None])  # [B, 1, rd/2]: each sequence at its own position
+        cos, sin = rope[("pos", attn.ratio > 0)]  # [B, 1, rd/2]: each sequence at its own position
         p = fused_projections(attn, h)  # the input's projections in one GEMM where the engine fused them, else {}
         comp = lambda n: (p[n + ".wkv"], p[n + ".wgate"]) if p else None
         q, qr = attn.query(h, cos, sin, p.get("wq_a"))
@@ -177,7 +186,7 @@ class KVCache:
         mask = ((wpos >= 0) & (wpos > pos[:, None] - W) & (wpos <= pos[:, None]))[:, None]  # [B, 1, W]
         S = 0
         if attn.ratio:
-            self._compressor_step(attn.compressor, h, c, "comp", slots, pos, fast, comp("compressor"))
+            self._compressor_step(attn.compressor, h, c, "comp", slots, pos, fast, comp("compressor"), rope)
             n_vis = (pos + 1) // attn.ratio  # entries whose whole window is at or before pos
             # CUDA graphs and compiled code want fixed shapes: every cache entry, masked; eager reads up to the
             # longest sequence's
@@ -186,7 +195,8 @@ class KVCache:
             visible = torch.arange(S, device=pos.device)[None] < n_vis[:, None]  # [B, S]
             if attn.indexer is not None:
                 index = attn.indexer
-                self._compressor_step(index.compressor, h, c, "idx", slots, pos, fast, comp("indexer.compressor"))
+                self._compressor_step(index.compressor, h, c, "idx", slots, pos, fast, comp("indexer.compressor"),
+                                      rope)
                 score = index.scores(h, qr, c["idx"][slots, :S], cos, sin, p.get("indexer.weights_proj"))[:, 0]
                 score = score.masked_fill(~visible, float("-inf"))
                 visible = visible & top_k_mask(score, attn.indexer.topk)

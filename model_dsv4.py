@@ -712,15 +712,18 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{sub}_base", nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32)))
             self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
-    def hc_pre(self, x, fn, scale, base):
-        # x: [B, T, n, D] -> input [B, T, D], post [B, T, n], comb [B, T, n, n]
+    def hc_pre(self, x, fn, scale, base, norm=None):
+        # x: [B, T, n, D] -> input [B, T, D] (through norm, the sublayer's RMSNorm, if given), post [B, T, n],
+        # comb [B, T, n, n]
         a = self.args
         if self.fast and has_triton(x) and not torch.is_grad_enabled() and x.shape[1] * x.shape[0] <= HC_PRE_TOKENS:
-            return hc_pre_triton(x, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)  # decode
+            return hc_pre_triton(x, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps,  # decode, the
+                                 *((norm.weight, norm.eps) if norm is not None else ()))  # norm in the kernel
         xf = x.float()  # before the mixes' GEMM, as in kernels._HcMixes.forward
         pre, post, comb = hc_split_sinkhorn(hc_mixes(x, fn, a.rms_norm_eps, self.fast), scale, base, a.hc_mult,
                                             a.hc_sinkhorn_iters, a.hc_eps, self.fast)
-        return (pre.unsqueeze(-1) * xf).sum(dim=2).to(x.dtype), post, comb
+        h = (pre.unsqueeze(-1) * xf).sum(dim=2).to(x.dtype)
+        return h if norm is None else norm(h), post, comb
 
     def hc_post(self, f, x, post, comb):
         # stream k <- post_k * f + sum_j comb[j, k] * x_j: the residual mix uses comb *transposed*
@@ -735,10 +738,10 @@ class Block(nn.Module):
 
     def forward(self, x, ids):
         # x: [B, T, n, D], ids: [B, T] (hash routing reads the input token ids) -> [B, T, n, D]
-        h, post, comb = self.hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        x = self.hc_post(self.attn(self.attn_norm(h)), x, post, comb)
-        h, post, comb = self.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        return self.hc_post(self.ffn(self.ffn_norm(h), ids), x, post, comb)
+        h, post, comb = self.hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm)
+        x = self.hc_post(self.attn(h), x, post, comb)
+        h, post, comb = self.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm)
+        return self.hc_post(self.ffn(h, ids), x, post, comb)
 
 
 class MTPBlock(Block):

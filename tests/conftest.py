@@ -66,16 +66,16 @@ def compile_layers():
     import kv_cache
     import model_dsv4
     import parallel
-    saved = (model_dsv4.Block.forward, model_dsv4.Transformer.logits, kv_cache.KVCache.decode_layer, engine.sample_tokens,
-             grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss)
+    saved = (model_dsv4.Block.forward, model_dsv4.Transformer.logits, kv_cache.KVCache.decode_layer,
+             kv_cache.KVCache.step_rope, engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss)
 
     def on(graphs=False):
         torch._dynamo.reset()
         kernels.compile_layers(backend="inductor" if torch.cuda.is_available() else "aot_eager", graphs=graphs)
         return torch._dynamo.utils.counters
     yield on
-    (model_dsv4.Block.forward, model_dsv4.Transformer.logits, kv_cache.KVCache.decode_layer, engine.sample_tokens,
-     grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss) = saved
+    (model_dsv4.Block.forward, model_dsv4.Transformer.logits, kv_cache.KVCache.decode_layer,
+     kv_cache.KVCache.step_rope, engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss) = saved
     torch._dynamo.reset()
 
 

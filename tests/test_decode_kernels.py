@@ -136,9 +136,11 @@ def test_compress_step_triton_equals_compressor_step(ratio, d, dtype):
     for step in range(ratio + 2):
         wide = rnd(5, 1, 2 * coff * d + 3).to(DEV) * 3
         proj = (wide[..., 3:3 + coff * d], wide[..., 3 + coff * d:])
+        pos = start + step
+        rope = {("start", ratio): rope_cos_sin(args, ratio, (pos + 1 - ratio)[:, None])}  # KVCache.step_rope's
         with torch.no_grad():
             for fast, caches in ((True, ours), (False, ref)):
-                kv_cache.KVCache._compressor_step(cache, comp, None, caches, "comp", slots, start + step, fast, proj)
+                kv_cache.KVCache._compressor_step(cache, comp, None, caches, "comp", slots, pos, fast, proj, rope)
         for k in c:
             if k != "comp":
                 assert torch.equal(ours[k], ref[k]), (step, k)

@@ -20,9 +20,9 @@ def test_kernels_compile_for_h200_and_mi355x():
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512 (one program a sequence, and
     split; RoPE undone on the output); the experts' two kernels; the compressor's step with and without overlap;
     the sampler's two kernels; hc_pre's two at bench_2b's sizes (the mixes' tl.dot in each backend's precision,
-    kernels_triton.hc_dot); the router (hash and learned, 256 experts) and the pairs' ordering (with the rows' copy
-    and without); the query's norm and RoPE and the window key's write at head dim 512. In a subprocess: this
-    process's kernels are interpreted."""
+    kernels_triton.hc_dot; the second with the sublayer's norm and without); the router (hash and learned, 256
+    experts) and the pairs' ordering (with the rows' copy and without); the query's norm and RoPE and the window
+    key's write at head dim 512. In a subprocess: this process's kernels are interpreted."""
     code = """
 import kernels_attention as ka, kernels_decode as kd, kernels_route as kr, kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
@@ -48,8 +48,9 @@ kernels += [(fn, consts, {"D": "i32", "I": "i32", "limit": "fp32", "offs_ptr": "
             for fn, consts in ((kd._experts_up, {"CLAMP": True, **blocks}), (kd._experts_down, blocks))]
 kernels += [(kt._hc_mix_parts, {"R": 24, "RP": 32, "BT": kt.HC_BT, "BK": kt.HC_BK, "DOT": None},
              {"T": "i32", "K": "i32"}, ("x_ptr",), 4),
-            (kt._hc_pre, {"N": 4, "NP": 4, "RP": 32, "STEPS": 39, "SB": 64, "BLOCK_D": 2048},
-             {a: "i32" for a in ("T", "S", "D")} | {"norm_eps": "fp32", "hc_eps": "fp32"}, ("x_ptr", "h_ptr"), 4)]
+            *((kt._hc_pre, {"N": 4, "NP": 4, "RP": 32, "STEPS": 39, "SB": 64, "BLOCK_D": 2048, "NORM": norm},
+               {a: "i32" for a in ("T", "S", "D")} | {a: "fp32" for a in ("norm_eps", "hc_eps", "out_eps")},
+               ("x_ptr", "h_ptr"), 4) for norm in (False, True))]
 route = {"N": "i32", "E": "i32", "row": "i32", "scale": "fp32", "ids_ptr": "*i64", "idx_ptr": "*i64"}
 kernels += [(kr._route, {"K": 6, "KP": 8, "EP": 256, "BT": kr.ROUTE_BT, "FUNC": 2, "HASH": h, "NORM": True},
              {**route, "table_ptr": "*i64" if h else "*fp32"}, (), 4) for h in (True, False)]
@@ -78,4 +79,4 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 44, out.stdout
+    assert out.stdout.count("compiled") == 46, out.stdout

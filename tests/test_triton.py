@@ -157,16 +157,19 @@ def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
         assert (a - b).abs().max() <= 5e-5 * b.abs().max() + 1e-6 * top, n
 
 
-@pytest.mark.parametrize("n,D,T,dtype", [(4, 40, 7, torch.float32), (3, 24, 7, torch.float32),
-                                         (2, 40, 7, torch.float32), (4, 2100, 37, torch.float32),
-                                         (4, 64, 7, torch.bfloat16)])
-def test_hc_pre_triton_equals_reference(n, D, T, dtype):
+@pytest.mark.parametrize("n,D,T,dtype,norm", [(4, 40, 7, torch.float32, False), (3, 24, 7, torch.float32, True),
+                                              (2, 40, 7, torch.float32, False), (4, 2100, 37, torch.float32, False),
+                                              (4, 2100, 5, torch.float32, True), (4, 64, 7, torch.bfloat16, False),
+                                              (4, 64, 7, torch.bfloat16, True)])
+def test_hc_pre_triton_equals_reference(n, D, T, dtype, norm):
     """mHC's pre-mix for T tokens of one position: the sublayer's input, post and comb against Block.hc_pre's reference
     path (hc_mixes' fp32 GEMM, hc_split_sinkhorn's loop, the weighted sum), fn, scale and base random. D 40 and n 3
     leave the kernels' blocks and n x n tile partly masked; n 2 has 8 mixes in a tile of 16; D 2100 at 37 tokens
     splits K = 8400 into 66 blocks (more than the second kernel adds at once, the last one partial), D into two
-    blocks and the tokens into 3, the last ones partial. fp32: to 1e-5 of the largest value (on CUDA the mixes'
-    products are tf32x3's, ~fp32); bf16: the input one rounding apart (the same fp32 sum, rounded once)."""
+    blocks and the tokens into 3, the last ones partial. norm: the input through the sublayer's RMSNorm (a random
+    weight) in the kernel, against Block.hc_pre with the norm (D 2100: all of D in one block of 4096). fp32: to 1e-5
+    of the largest value (on CUDA the mixes' products are tf32x3's, ~fp32); bf16: the input one rounding apart (the
+    same fp32 sum, rounded once; with the norm, two)."""
     g = torch.Generator().manual_seed(D)
     args = replace(TINY, hc_mult=n, hidden_size=D)
     block = Block(0, args).to(DEV)
@@ -174,10 +177,14 @@ def test_hc_pre_triton_equals_reference(n, D, T, dtype):
     fn = (torch.randn(R, n * D, generator=g) / (n * D) ** 0.5).to(DEV)
     scale, base = (torch.rand(3, generator=g) + 0.5).to(DEV), (torch.randn(R, generator=g) * 0.5).to(DEV)
     x = torch.randn(T, 1, n, D, generator=g).to(DEV, dtype)
+    rms = block.attn_norm if norm else None
+    if norm:
+        rms.weight.data = (torch.rand(D, generator=g) + 0.5).to(DEV)
     with torch.no_grad():
-        got = hc_pre_triton(x, fn, scale, base, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps)
-        ref = block.hc_pre(x, fn, scale, base)  # fast off: the reference
-    tol = (1e-5, 1e-5, 1e-5) if dtype == torch.float32 else (2 ** -8, 1e-5, 1e-5)
+        got = hc_pre_triton(x, fn, scale, base, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps,
+                            *((rms.weight, rms.eps) if norm else ()))
+        ref = block.hc_pre(x, fn, scale, base, rms)  # fast off: the reference
+    tol = (1e-5, 1e-5, 1e-5) if dtype == torch.float32 else (2 ** -7 if norm else 2 ** -8, 1e-5, 1e-5)
     for a, b, t, name in zip(got, ref, tol, ("input", "post", "comb")):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert (a.float() - b.float()).abs().max() <= t * b.float().abs().max(), (name, (a - b).abs().max())
