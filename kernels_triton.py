@@ -7,8 +7,9 @@ and gfx950):
   - hc_post_triton: mHC's write-back of a sublayer into the n streams (model_dsv4.Block.hc_post) as one kernel
     forward and one for the backward's reductions.
   - hc_pre_triton: mHC's pre-mix (model_dsv4.Block.hc_pre: the norm, the mixes, the Sinkhorn, the streams' weighted
-    sum) as two kernels (a split GEMM for the mixes, then the rest a token), for the few tokens of a decode step
-    (no backward).
+    sum, the sublayer's RMSNorm) as two kernels (a split GEMM for the mixes, then the rest a token), for the few
+    tokens of a decode step (no backward); hc_post_pre_triton the same with the previous sublayer's write-back into
+    the streams in its first kernel (model_dsv4.Block.hc_post_pre).
 
 The engine's decode-step kernels are in kernels_decode.py and kernels_attention.py, the router's in kernels_route.py;
 they take this module's shared pieces (the interpreter switch, _dot, has_triton).
@@ -361,67 +362,10 @@ def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, nw_ptr, h_ptr, post_pt
     at = 2 * N + i[:, None] * N + i[None, :]  # comb's logits, a softmax over each row (padding: -inf, then 0)
     c = tl.where(cm, c * norm * tl.load(scale_ptr + 2) + tl.load(base_ptr + at, mask=cm, other=0.0), float("-inf"))
     e = tl.where(cm, tl.exp(c - tl.where(im, tl.max(c, 1), 0.0)[:, None]), 0.0)
-    c = tl.where(cm, e / tl.where(im, tl.sum(e, 1), 1.0)[:, None] + hc_eps, 0.0)
-    if N == 4:  # V4's hc_mult: the 16 entries as scalars, each thread all of them (no exchange between threads)
-        _sinkhorn4(comb_ptr + t * 16, c, hc_eps, STEPS)
-    else:
-        c = c[None, :, :]
-        for step in tl.static_range(STEPS):  # Sinkhorn, as _sinkhorn_fwd: a tile of one token
-            c = c / (_sums(c, step) + hc_eps)
-        tl.store(comb_ptr + t * N * N + (i[:, None] * N + i[None, :])[None, :, :], c, mask=cm[None, :, :])
-
-
-@_jit
-def _four(v):
-    """v [4] -> v[0], v[1], v[2], v[3] (scalars)."""
-    even, odd = tl.split(tl.reshape(v, [2, 2]))
-    v0, v2 = tl.split(even)
-    v1, v3 = tl.split(odd)
-    return v0, v1, v2, v3
-
-
-@_jit
-def _norm4(a, b, c, d, eps):
-    """A row or a column of four divided by its sum + eps (the sum in mhc.sinkhorn_entries' order)."""
-    s = a + b + c + d + eps
-    return a / s, b / s, c / s, d / s
-
-
-@_jit
-def _sinkhorn4(out_ptr, c, eps, STEPS: tl.constexpr):
-    """_sums' Sinkhorn steps on c [4, 4] (even steps the columns, odd the rows), written to out [16] row-major. The
-    entries as 16 scalars, as mhc.sinkhorn_entries has them: where the tile's 39 row and column sums at bench_2b's
-    sizes took ~3.6 us of the kernel's 7.3 (bench/probe_hc_pre.py, session 26), each is here a thread's own adds."""
-    even, odd = tl.split(tl.reshape(c, [4, 2, 2]))  # columns 0, 2 and 1, 3
-    col0, col2 = tl.split(even)
-    col1, col3 = tl.split(odd)
-    c00, c10, c20, c30 = _four(col0)
-    c01, c11, c21, c31 = _four(col1)
-    c02, c12, c22, c32 = _four(col2)
-    c03, c13, c23, c33 = _four(col3)
-    for step in tl.static_range(STEPS):
-        if step % 2 == 0:
-            c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
-            c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
-            c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
-            c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
-        else:
-            c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
-            c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
-            c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
-            c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
-    _put4(out_ptr, c00, c01, c02, c03)
-    _put4(out_ptr + 4, c10, c11, c12, c13)
-    _put4(out_ptr + 8, c20, c21, c22, c23)
-    _put4(out_ptr + 12, c30, c31, c32, c33)
-
-
-@_jit
-def _put4(ptr, a, b, c, d):
-    tl.store(ptr, a)
-    tl.store(ptr + 1, b)
-    tl.store(ptr + 2, c)
-    tl.store(ptr + 3, d)
+    c = tl.where(cm, e / tl.where(im, tl.sum(e, 1), 1.0)[:, None] + hc_eps, 0.0)[None, :, :]
+    for step in tl.static_range(STEPS):  # Sinkhorn, as _sinkhorn_fwd: a tile of one token
+        c = c / (_sums(c, step) + hc_eps)
+    tl.store(comb_ptr + t * N * N + (i[:, None] * N + i[None, :])[None, :, :], c, mask=cm[None, :, :])
 
 
 def hc_dot(backend):

@@ -49,17 +49,18 @@ with torch.no_grad():
             part, ss = xf.new_empty(S, B, RP, dtype=torch.float32), xf.new_empty(S, B, dtype=torch.float32)
             for dot in ("ieee", "tf32x3"):
                 for warps in (2, 4, 8):
-                    run = lambda: kt._hc_mix_parts[(triton.cdiv(B, kt.HC_BT), S)](
-                        xf, fn, part, ss, B, K, R=R, RP=RP, BT=kt.HC_BT, BK=bk, DOT=dot, num_warps=warps)
+                    run = lambda: kt._hc_mix_parts[(triton.cdiv(B, kt.HC_BT), S)](  # (no write-back: POST off)
+                        xf, xf, xf, xf, xf, fn, part, ss, B, K, D, R=R, RP=RP, BT=kt.HC_BT, BK=bk, DOT=dot, N=n,
+                        POST=False, num_warps=warps)
                     print(f"    split GEMM, K blocks of {bk}, {dot}, {warps} warps: {graph_us(run):.1f} us", flush=True)
         S = triton.cdiv(K, kt.HC_BK)
         part, ss = xf.new_empty(S, B, RP, dtype=torch.float32), xf.new_empty(S, B, dtype=torch.float32)
         post, comb = xf.new_empty(B, n, dtype=torch.float32), xf.new_empty(B, n, n, dtype=torch.float32)
         h = x.new_empty(B, D)
         for warps, steps, d in ((1, 39, D), (2, 39, D), (4, 39, D), (8, 39, D), (4, 1, D), (4, 39, 16), (4, 1, 16)):
-            run = lambda: kt._hc_pre[(B,)](xf, part, ss, scale, base, h, post, comb, B, S, d, args.rms_norm_eps,
-                                           args.hc_eps, N=n, NP=n, RP=RP, STEPS=steps, SB=64,
-                                           BLOCK_D=triton.next_power_of_2(d), num_warps=warps)
+            run = lambda: kt._hc_pre[(B,)](xf, part, ss, scale, base, scale, h, post, comb, B, S, d, args.rms_norm_eps,
+                                           args.hc_eps, 0.0, N=n, NP=n, RP=RP, STEPS=steps, SB=64,
+                                           BLOCK_D=triton.next_power_of_2(d), NORM=False, num_warps=warps)
             what = "" if (steps, d) == (39, D) else " (parts only: " + ", ".join(
                 ["one Sinkhorn step"] * (steps == 1) + [f"a weighted sum of {d} channels"] * (d != D)) + ")"
             print(f"    the rest a token, {warps} warps{what}: {graph_us(run):.1f} us", flush=True)
