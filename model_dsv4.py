@@ -922,8 +922,9 @@ class Transformer(nn.Module):
 
 # -----------------------------------------------------------------------------
 
-if __name__ == "__main__":
-    # Self-check on CPU in seconds: shapes, causality, a save/load round trip, and a few steps of overfitting.
+def self_check():
+    """`python model_dsv4.py`: on CPU in seconds, shapes, causality, a save/load round trip, and a few steps of
+    overfitting."""
     import tempfile, time
     from checkpoint import from_pretrained, save_pretrained
     t0 = time.time()
@@ -957,3 +958,11 @@ if __name__ == "__main__":
             print(f"overfit step {step}: loss {loss.item():.3f}")
     assert same, "causality broken"
     print(f"self-check passed in {time.time() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    # from the imported module, not this __main__ copy: checkpoint imports model_dsv4, whose rope_angles custom op
+    # then replaces this copy's (torch destroys a redefined op's registration), and a call of the replaced one
+    # reads freed memory: "vector::reserve", an internal assert or a segfault, in ~1 run of 10 (session 28)
+    import model_dsv4
+    model_dsv4.self_check()
