@@ -127,7 +127,7 @@ class KVCache:
         ("pos", ratio > 0)), and at the first position of the window that ends there for each compress ratio m
         (key ("start", m)), where the compressors' entries are rotated."""
         ratios = {layer.attn.ratio for layer in model.layers.values()}
-        rope = {("pos", r > 0): rope_cos_sin(self.args, r, pos[:, None]) for r in sorted(ratios)}
+        rope = {("pos", c): rope_cos_sin(self.args, int(c), pos[:, None]) for c in sorted({r > 0 for r in ratios})}
         return rope | {("start", m): rope_cos_sin(self.args, m, (pos + 1 - m)[:, None]) for m in sorted(ratios) if m}
 
     def decode_layer(self, layer, c, x, slots, tokens, pos, rope):
