@@ -1,7 +1,7 @@
 """
 The engine's decode attention as Triton kernels (kv_cache.KVCache._attn_decode calls decode_attention_triton), beside
 the reference it replaces: model_dsv4.sink_attention over each sequence's cached window keys and compressed entries,
-gathered, then Attention.output's RoPE undone. tests/test_decode_kernels.py checks that the two agree, alone and in
+gathered, then Attention.output's RoPE undone. tests/test_decode_attention.py checks that the two agree, alone and in
 the engine; tests/test_kernel_builds.py compiles the kernels for sm_90 and gfx950.
 
 A torch.library custom op, as kernels_triton.py's are (compiled layers call it). kernels_triton is imported first (it

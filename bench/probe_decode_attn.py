@@ -16,7 +16,7 @@ from model_dsv4 import sink_attention  # noqa: E402
 from probe_timing import graph_us  # noqa: E402
 
 if not torch.cuda.is_available():
-    sys.exit("a timing probe for a GPU; the kernel's check on a CPU: pytest tests/test_decode_kernels.py -k attention")
+    sys.exit("a timing probe for a GPU; the kernel's check on a CPU: pytest tests/test_decode_attention.py")
 H, D, W, scale = 16, 512, 128, 512 ** -0.5
 g = torch.Generator().manual_seed(0)
 reference = torch.compile(lambda q, keys, mask, sink: sink_attention(q[:, None], keys, mask[:, None], sink, scale))

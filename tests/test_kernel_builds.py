@@ -1,6 +1,6 @@
 """Every Triton kernel of the project (kernels_triton.py, kernels_decode.py, kernels_attention.py, kernels_route.py)
 compiled to machine code for the H200 and the MI355X, without a GPU. Their values are tested against their references
-in test_triton.py, test_decode_kernels.py and test_routing_kernels.py."""
+in test_triton.py, test_decode_kernels.py, test_decode_attention.py and test_routing_kernels.py."""
 import os
 import subprocess
 import sys
