@@ -83,7 +83,10 @@ if not torch.cuda.is_available():  # the kernels' logic in Triton's interpreter 
 
 E, D, I, K = 64, 1536, 512, 6
 CONFIGS = [(16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 32, 256, 4, 4), (16, 128, 128, 4, 3),
-           (16, 64, 128, 4, 6), (16, 32, 128, 2, 5), (32, 64, 128, 4, 4), (32, 32, 256, 4, 3)]
+           (16, 64, 128, 4, 6), (16, 32, 128, 2, 5), (32, 64, 128, 4, 4), (32, 32, 256, 4, 3),
+           # session 29: two programs an SM (fewer stages), more warps, narrower and wider blocks
+           (16, 64, 128, 4, 3), (16, 64, 128, 4, 2), (16, 64, 128, 8, 4), (16, 32, 128, 4, 4), (16, 32, 128, 4, 3),
+           (16, 64, 64, 4, 6), (16, 128, 128, 8, 4), (16, 128, 64, 4, 4)]
 print(f"decode experts, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
       f"{E} experts, D {D}, I {I}, top-{K}", flush=True)
 
