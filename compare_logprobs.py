@@ -178,38 +178,30 @@ class Trace:
 
     def __init__(self, model):
         self.rec, self.pos, self.handles, self.model = {}, None, [], model
-        self.saved = [(blk, blk.hc_pre, blk.hc_post, blk.hc_post_pre) for blk in model.layers.values()] + \
-            [(model, model.logits)]
+        self.saved = [(blk, blk.hc_pre, blk.hc_post) for blk in model.layers.values()] + [(model, model.logits)]
         for i, blk in model.layers.items():
             for name in self.MODULES:
                 hook = lambda m, args, out, key=f"layers.{i}.{name}": self.put(key, out)
                 self.handles.append(blk.get_submodule(name).register_forward_hook(hook))
-            blk.hc_pre, blk.hc_post, blk.hc_post_pre = self.wrap_hc(blk, f"layers.{i}")
+            blk.hc_pre, blk.hc_post = self.wrap_hc(blk, f"layers.{i}")
         logits = model.logits
         model.logits = lambda x: self.put("logits", logits(x))
 
     def close(self):
         for h in self.handles:
             h.remove()
-        for blk, pre, post, post_pre in self.saved[:-1]:
-            blk.hc_pre, blk.hc_post, blk.hc_post_pre = pre, post, post_pre
+        for blk, pre, post in self.saved[:-1]:
+            blk.hc_pre, blk.hc_post = pre, post
         self.model.logits = self.saved[-1][1]
 
     def wrap_hc(self, blk, prefix):
-        pre, post, post_pre = blk.hc_pre, blk.hc_post, blk.hc_post_pre
+        pre, post = blk.hc_pre, blk.hc_post
         def hc_pre(x, fn, scale, base, norm=None):
             blk.sub = "attn" if fn is blk.hc_attn_fn else "ffn"
             out = pre(x, fn, scale, base, norm)
             self.put(f"{prefix}.hc_pre.{blk.sub}", out[0])  # the collapsed input of the sublayer (normed)
             return out
-
-        def hc_post_pre(*a):  # the attention's hc_post and the MoE's hc_pre in one (the decode's kernel)
-            out = post_pre(*a)
-            self.put(f"{prefix}.hc_post.attn", out[3])
-            blk.sub = "ffn"
-            self.put(f"{prefix}.hc_pre.ffn", out[0])
-            return out
-        return hc_pre, lambda *a: self.put(f"{prefix}.hc_post.{blk.sub}", post(*a)), hc_post_pre  # the streams
+        return hc_pre, lambda *a: self.put(f"{prefix}.hc_post.{blk.sub}", post(*a))  # the n streams after it
 
     def put(self, key, out):
         # out: [1, t, ...]; a call that returns fewer rows than positions (prefill logits) covers the last ones

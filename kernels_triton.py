@@ -8,8 +8,7 @@ and gfx950):
     forward and one for the backward's reductions.
   - hc_pre_triton: mHC's pre-mix (model_dsv4.Block.hc_pre: the norm, the mixes, the Sinkhorn, the streams' weighted
     sum, the sublayer's RMSNorm) as two kernels (a split GEMM for the mixes, then the rest a token), for the few
-    tokens of a decode step (no backward); hc_post_pre_triton the same with the previous sublayer's write-back into
-    the streams in its first kernel (model_dsv4.Block.hc_post_pre).
+    tokens of a decode step (no backward).
 
 The engine's decode-step kernels are in kernels_decode.py and kernels_attention.py, the router's in kernels_route.py;
 they take this module's shared pieces (the interpreter switch, _dot, has_triton).
@@ -279,38 +278,23 @@ hc_post_triton.register_autograd(_hc_post_backward, setup_context=_hc_post_setup
 # the norm, the Sinkhorn in registers and the weighted sum. For the few tokens of a decode step (HC_PRE_TOKENS).
 # Each alone on an H200 (bench/probe_hc_pre.py, session 26), at 64 / 256 tokens: the first 10.7 / 29.7 us with fp32
 # products, 3.3 / 6.9 with tf32x3's (hc_dot); the second 7.3 / 8.1. The compiled path they replace: 17.6 / 19.1.
+# (Session 28 had the first kernel also form the streams from the attention's output, hc_post inside it: one kernel
+# less a layer, but the decode step was no faster, 2.65 against 2.53 ms without it in session 29: removed.)
 
 HC_PRE_TOKENS = 256  # Block.hc_pre takes the kernels without grad for inputs of at most this many tokens
 HC_BT, HC_BK = 16, 128  # the GEMM's tile: tokens x K
 
 
 @_jit
-def _hc_mix_parts(x_ptr, f_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, ss_ptr, T, K, D, R: tl.constexpr,
-                  RP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, N: tl.constexpr,
-                  POST: tl.constexpr):
+def _hc_mix_parts(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, DOT: tl.constexpr):
     """Tokens block program_id(0), K block s = program_id(1): part[s, t, :R] = x[t, k] @ fn[:, k].T and
-    ss[s, t] = sum of x[t, k]^2 over the block's k, fp32 (DOT: tl.dot's input_precision, hc_dot). POST (then
-    D % BK == 0, so that the block is in one stream j): the streams are first the previous sublayer's hc_post, its
-    output f [T, D] written into x [T, N, D] (Block.hc_post: post_j * f + the sum over i of comb[i, j] * x_i, in fp32,
-    i in order), and this block of them is stored to y in x's dtype and used as rounded."""
+    ss[s, t] = sum of x[t, k]^2 over the block's k, fp32 (DOT: tl.dot's input_precision, hc_dot)."""
     s = tl.program_id(1)
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     k, r = s * BK + tl.arange(0, BK), tl.arange(0, RP)
-    tm = t < T
-    if POST:
-        j = (s * BK) // D
-        dd = k - j * D
-        xv = tl.load(post_ptr + t * N + j, mask=tm, other=0.0)[:, None] * \
-            tl.load(f_ptr + t[:, None] * D + dd[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-        for i in tl.static_range(N):
-            xi = tl.load(x_ptr + t[:, None] * K + i * D + dd[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-            xv += tl.load(comb_ptr + (t * N + i) * N + j, mask=tm, other=0.0)[:, None] * xi
-        xv = xv.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + t[:, None] * K + k[None, :], xv, mask=tm[:, None])
-        xv = xv.to(tl.float32)
-    else:
-        xv = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=tm[:, None] & (k < K)[None, :], other=0.0)
-        xv = xv.to(tl.float32)
+    xv = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=(t < T)[:, None] & (k < K)[None, :], other=0.0)
+    xv = xv.to(tl.float32)
     fv = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=(r < R)[:, None] & (k < K)[None, :], other=0.0)
     tl.store(part_ptr + (s * T + t[:, None]) * RP + r[None, :], tl.dot(xv, tl.trans(fv), input_precision=DOT),
              mask=(t < T)[:, None])
@@ -382,27 +366,13 @@ def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     """Block.hc_pre without grad: x [..., n, D] -> the sublayer's input [..., D] (x's dtype), post [..., n] and
     comb [..., n, n] (fp32); fn [(2+n)*n, n*D], scale [3], base [(2+n)*n] fp32. weight [D] fp32: the input through
     RMSNorm(weight, out_eps), as Block.hc_pre's norm does (one kernel less a sublayer in a decode step)."""
-    return _hc_pre_launch(x, None, fn, scale, base, iters, hc_eps, norm_eps, weight, out_eps)
-
-
-def _hc_pre_launch(x, after, fn, scale, base, iters, hc_eps, norm_eps, weight, out_eps):
-    """hc_pre_triton's kernels; after: (f, post, comb) of hc_post_pre_triton, whose streams the first kernel forms
-    (and returns, the last of four) before the mixes."""
     *lead, n, D = x.shape
     xf = x.reshape(-1, n * D).contiguous()
     (T, K), R = xf.shape, fn.shape[0]
     RP, S = max(16, triton.next_power_of_2(R)), triton.cdiv(K, HC_BK)  # tl.dot's tiles are 16 wide at least
     part, ss = xf.new_empty(S, T, RP, dtype=torch.float32), xf.new_empty(S, T, dtype=torch.float32)
-    if after is not None:
-        assert D % HC_BK == 0, (D, HC_BK)
-        y = torch.empty_like(xf)
-        f, post, comb = (t.reshape(T, -1).contiguous() for t in after)
-    else:
-        y = f = post = comb = xf  # not read
-    _hc_mix_parts[(triton.cdiv(T, HC_BT), S)](xf, f, post, comb, y, fn.contiguous(), part, ss, T, K, D, R=R, RP=RP,
-                                             BT=HC_BT, BK=HC_BK, DOT=hc_dot("hip" if torch.version.hip else "cuda"),
-                                             N=n, POST=after is not None, num_warps=4)
-    xf = y
+    _hc_mix_parts[(triton.cdiv(T, HC_BT), S)](xf, fn.contiguous(), part, ss, T, K, R=R, RP=RP, BT=HC_BT, BK=HC_BK,
+                                             DOT=hc_dot("hip" if torch.version.hip else "cuda"), num_warps=4)
     post, comb = xf.new_empty(T, n, dtype=torch.float32), xf.new_empty(T, n, n, dtype=torch.float32)
     h = x.new_empty(T, D)
     norm = weight is not None
@@ -411,28 +381,9 @@ def _hc_pre_launch(x, after, fn, scale, base, iters, hc_eps, norm_eps, weight, o
                   comb, T, S, D, norm_eps, hc_eps, out_eps, N=n, NP=triton.next_power_of_2(n), RP=RP,
                   STEPS=2 * iters - 1, SB=min(64, triton.next_power_of_2(S)), BLOCK_D=block, NORM=norm,
                   num_warps=4 if block <= 2048 else 8)
-    out = h.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
-    return out if after is None else (*out, y.view(x.shape))
+    return h.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 
-def _hc_pre_fake(x, *rest, **kw):
-    return (x.new_empty(*x.shape[:-2], x.shape[-1]), x.new_empty(x.shape[:-1], dtype=torch.float32),
-            x.new_empty(*x.shape[:-1], x.shape[-2], dtype=torch.float32))
-
-
-hc_pre_triton.register_fake(_hc_pre_fake)
-
-
-@torch.library.custom_op("nano_dsv4::hc_post_pre", mutates_args=())
-def hc_post_pre_triton(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                       scale: torch.Tensor, base: torch.Tensor, iters: int, hc_eps: float, norm_eps: float,
-                       weight: Optional[torch.Tensor] = None,
-                       out_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block.hc_post_pre without grad: a sublayer's output f [..., D] written into the streams x [..., n, D] (post
-    [..., n], comb [..., n, n]; Block.hc_post), then the next sublayer's hc_pre_triton on them, one kernel less than
-    the two apart: -> (input, post, comb) as hc_pre_triton's and the new streams [..., n, D] in x's dtype.
-    D a multiple of HC_BK."""
-    return _hc_pre_launch(x, (f, post, comb), fn, scale, base, iters, hc_eps, norm_eps, weight, out_eps)
-
-
-hc_post_pre_triton.register_fake(lambda f, x, *rest, **kw: (*_hc_pre_fake(x), torch.empty_like(x)))
+hc_pre_triton.register_fake(lambda x, fn, scale, base, iters, hc_eps, norm_eps, weight=None, out_eps=0.0: (
+    x.new_empty(*x.shape[:-2], x.shape[-1]), x.new_empty(x.shape[:-1], dtype=torch.float32),
+    x.new_empty(*x.shape[:-1], x.shape[-2], dtype=torch.float32)))

@@ -82,8 +82,8 @@ class KVCache:
             comps = [(n, cp, cp(h, a), *cp.project(h)) for n, cp in (("comp", attn.compressor),
                      ("idx", attn.indexer.compressor if attn.indexer else None)) if cp is not None]
             self._fill(c, slot_t, L, kv, comps)
-            h, post, comb, x = layer.hc_post_pre(attn(h), x, post, comb, layer.hc_ffn_fn, layer.hc_ffn_scale,
-                                                 layer.hc_ffn_base, layer.ffn_norm)
+            x = layer.hc_post(attn(h), x, post, comb)
+            h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)
             x = layer.hc_post(layer.ffn(h, ids), x, post, comb)
         return model.logits(x[torch.arange(len(prompts), device=self.device), L - 1][:, None])[:, 0]
 
@@ -134,8 +134,8 @@ class KVCache:
         # one Block.forward for one token per sequence, reading and writing the layer's cache c; rope: step_rope's
         # (kernels.compile_layers compiles this: layers of one kind share the compiled code)
         h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
-        h, post, comb, x = layer.hc_post_pre(self._attn_decode(layer.attn, h, c, slots, pos, rope), x, post, comb,
-                                             layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)
+        x = layer.hc_post(self._attn_decode(layer.attn, h, c, slots, pos, rope), x, post, comb)
+        h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)
         return layer.hc_post(layer.ffn(h, tokens[:, None], fused_projections(layer.ffn, h)), x, post, comb)
 
     def _compressor_step(self, comp, h, c, name, slots, pos, fast, proj, rope):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from kernels import (PathInvariant, fuse_rows_, grouped_experts, is_fused, is_stacked, linear_f32, matmul_f32,
                      stack_experts_, window_attention)
-from kernels_triton import HC_BK, HC_PRE_TOKENS, has_triton, hc_post_pre_triton, hc_post_triton, hc_pre_triton
+from kernels_triton import HC_PRE_TOKENS, has_triton, hc_post_triton, hc_pre_triton
 from kernels_decode import q_norm_rope_triton
 from kernels_route import pair_order_triton, route_triton, sort_pairs_triton
 from mhc import hc_head, hc_mixes, hc_split_sinkhorn
@@ -712,17 +712,13 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{sub}_base", nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32)))
             self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
-    def decode_kernels(self, x):
-        """Whether mHC takes kernels_triton's decode kernels for x [B, T, n, D]: few tokens, no grad, a GPU."""
-        return self.fast and has_triton(x) and not torch.is_grad_enabled() and x.shape[1] * x.shape[0] <= HC_PRE_TOKENS
-
     def hc_pre(self, x, fn, scale, base, norm=None):
         # x: [B, T, n, D] -> input [B, T, D] (through norm, the sublayer's RMSNorm, if given), post [B, T, n],
         # comb [B, T, n, n]
         a = self.args
-        if self.decode_kernels(x):  # decode, the norm in the kernel
-            return hc_pre_triton(x, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps,
-                                 *((norm.weight, norm.eps) if norm is not None else ()))
+        if self.fast and has_triton(x) and not torch.is_grad_enabled() and x.shape[1] * x.shape[0] <= HC_PRE_TOKENS:
+            return hc_pre_triton(x, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps,  # decode, the
+                                 *((norm.weight, norm.eps) if norm is not None else ()))  # norm in the kernel
         xf = x.float()  # before the mixes' GEMM, as in kernels._HcMixes.forward
         pre, post, comb = hc_split_sinkhorn(hc_mixes(x, fn, a.rms_norm_eps, self.fast), scale, base, a.hc_mult,
                                             a.hc_sinkhorn_iters, a.hc_eps, self.fast)
@@ -740,22 +736,11 @@ class Block(nn.Module):
             return y.to(x.dtype)
         return (y + torch.matmul(comb.transpose(-1, -2), x.float())).to(x.dtype)
 
-    def hc_post_pre(self, f, x, post, comb, fn, scale, base, norm=None):
-        """hc_post of a sublayer's output f, then the next sublayer's hc_pre on the new streams -> (input, post, comb,
-        streams). In a decode step one op (kernels_triton.hc_post_pre_triton: hc_pre's first kernel forms the
-        streams), where the two apart are three kernels."""
-        a = self.args
-        if self.decode_kernels(x) and x.shape[-1] % HC_BK == 0:
-            return hc_post_pre_triton(f, x, post, comb, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps,
-                                      a.rms_norm_eps, *((norm.weight, norm.eps) if norm is not None else ()))
-        x = self.hc_post(f, x, post, comb)
-        return (*self.hc_pre(x, fn, scale, base, norm), x)
-
     def forward(self, x, ids):
         # x: [B, T, n, D], ids: [B, T] (hash routing reads the input token ids) -> [B, T, n, D]
         h, post, comb = self.hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm)
-        h, post, comb, x = self.hc_post_pre(self.attn(h), x, post, comb, self.hc_ffn_fn, self.hc_ffn_scale,
-                                            self.hc_ffn_base, self.ffn_norm)
+        x = self.hc_post(self.attn(h), x, post, comb)
+        h, post, comb = self.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm)
         return self.hc_post(self.ffn(h, ids), x, post, comb)
 
 

@@ -49,9 +49,8 @@ with torch.no_grad():
             part, ss = xf.new_empty(S, B, RP, dtype=torch.float32), xf.new_empty(S, B, dtype=torch.float32)
             for dot in ("ieee", "tf32x3"):
                 for warps in (2, 4, 8):
-                    run = lambda: kt._hc_mix_parts[(triton.cdiv(B, kt.HC_BT), S)](  # (no write-back: POST off)
-                        xf, xf, xf, xf, xf, fn, part, ss, B, K, D, R=R, RP=RP, BT=kt.HC_BT, BK=bk, DOT=dot, N=n,
-                        POST=False, num_warps=warps)
+                    run = lambda: kt._hc_mix_parts[(triton.cdiv(B, kt.HC_BT), S)](
+                        xf, fn, part, ss, B, K, R=R, RP=RP, BT=kt.HC_BT, BK=bk, DOT=dot, num_warps=warps)
                     print(f"    split GEMM, K blocks of {bk}, {dot}, {warps} warps: {graph_us(run):.1f} us", flush=True)
         S = triton.cdiv(K, kt.HC_BK)
         part, ss = xf.new_empty(S, B, RP, dtype=torch.float32), xf.new_empty(S, B, dtype=torch.float32)
