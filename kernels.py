@@ -8,11 +8,12 @@ Fast paths for the model's expensive pieces, each beside the plain reference it 
     fp32 it *is* the reference.
   - hc_mixes_bf16: mHC's mixes from bf16 streams by GEMMs on bf16 tensor cores, fn split into three bf16 parts,
     as accurate as the reference's fp32 GEMM (mhc.hc_mixes). Used by Block.hc_pre when the kernels are on.
-  - grouped_experts: every local expert in two grouped GEMMs (torch._grouped_mm) instead of a Python loop.
+  - grouped_experts: every local expert in two grouped GEMMs (torch._grouped_mm) instead of a Python loop; for
+    the few rows an expert of a decode step, kernels_decode.experts_triton, with the shared expert as one more.
     Reference: MoE.run_experts.
-  - fused_projections: in the engine's decode, a layer's projections of one input (the attention's, the router's and
-    the shared expert's) as one GEMM on their weights fused into one tensor (Transformer.fuse_projections).
-    Reference: each projection on its own, as training and prefill run them.
+  - fused_projections: in the engine's decode, a layer's attention projections of one input as one GEMM on their
+    weights fused into one tensor (Transformer.fuse_projections). Reference: each projection on its own, as
+    training and prefill run them.
   - window_attention: sink attention over [window keys | compressed keys] computed per block of `window` queries,
     so the [T, T] score matrix of the reference (sink_attention with a band mask) is never formed.
   - sinkhorn_triton (kernels_triton.py, the project's Triton kernels): mHC's Sinkhorn loop as one Triton kernel
@@ -224,7 +225,7 @@ def is_fused(weights, buf):
 
 
 def fused_projections(module, x):
-    """{name: x @ weight.T} of module.fused_names() (Attention, MoE) in one GEMM on module.fused, fp32, rounded
+    """{name: x @ weight.T} of module.fused_names() (an Attention) in one GEMM on module.fused, fp32, rounded
     to x's dtype where the module's own projection rounds its output (not those in module.FP32). {} when the module
     has no fused weights, or its weights are no longer their views (a deepcopy): then each projection runs on its own,
     as in training and prefill. Only the engine's decode calls this (kv_cache.py)."""
@@ -238,23 +239,30 @@ def fused_projections(module, x):
     return {n: o if n in module.FP32 else o.to(x.dtype) for n, o in zip(names, outs)}
 
 
-def grouped_experts(experts, xs, ws, counts, limit, stacked=None):
+def grouped_experts(experts, xs, ws, counts, limit, stacked=None, shared=None):
     """xs [R, D] rows sorted by local expert, ws [R] fp32 routing weights, counts [e] rows per expert (a tensor:
     no host sync) -> [R, D]. Same math as Expert.forward: clamped SwiGLU, routing weight before w2.
     The weights: `stacked` (stack_experts_) while the parameters are still its views (a deepcopy or a dtype cast
-    breaks that), read in place; else stacked here (the checkpoint keeps a tensor per expert)."""
+    breaks that), read in place; else stacked here (the checkpoint keeps a tensor per expert).
+    shared: (x [N, D], the shared Expert) -> (the routed rows' [R, D], the shared expert's output [N, D] where the
+    decode kernels took it in as one more expert, else None: the caller runs it)."""
     # under torch.compile the caller vouches for `stacked` (Transformer.stack_experts checks it before each forward)
     if stacked is None or not (torch.compiler.is_compiling() or is_stacked(experts, stacked)):
         stacked = stack(experts)
     w13, w2 = stacked
     offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
     if has_triton(xs) and not torch.is_grad_enabled() and xs.shape[0] <= EXPERT_ROWS * len(experts):  # decode
-        return experts_triton(xs, ws, offs, w13, w2, float(limit or 0))
+        if shared is None:
+            return experts_triton(xs, ws, offs, w13, w2, float(limit or 0))
+        x, e = shared  # the shared expert as one more expert of the kernels (its SwiGLU clamp is the routed ones')
+        ys = experts_triton(xs, ws, offs, w13, w2, float(limit or 0), x, e.w1.weight, e.w3.weight, e.w2.weight)
+        return ys[:xs.shape[0]], ys[xs.shape[0]:]
     g, u = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
     if limit:
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)
     h = (F.silu(g) * u * ws[:, None]).to(xs.dtype)
-    return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    return ys if shared is None else (ys, None)
 
 
 def window_attention(q, kv, ckv, cmask, sink, scale, window):

@@ -17,6 +17,8 @@ All but the sampler are torch.library custom ops, as kernels_triton.py's are (co
 runs outside compiled code. kernels_triton is imported first (it turns on Triton's interpreter without a GPU, before
 triton is imported).
 """
+from typing import Optional
+
 import torch
 
 from kernels_triton import INTERPRETED, _dot, _jit, tl, triton
@@ -30,17 +32,42 @@ from kernels_triton import INTERPRETED, _dot, _jit, tl, triton
 # (h, in the rows' dtype), the down kernel h times w2. 80-99 us at 64 and 256 tokens against aten's 139 and 146
 # (bench/probe_moe_decode.py, RESULTS.md session 24). An expert with no rows reads nothing. For many rows an expert
 # (prefill, training) aten's tiles are the better choice: grouped_experts picks by rows an expert (EXPERT_ROWS).
+# The shared expert rides along as one more expert (program E), its rows the tokens themselves: in a bench_2b decode
+# step it was a GEMM of its own for w2, the SwiGLU and the sum with the routed experts' (w1 and w3 fused into the
+# router's GEMM), 3-4 kernels a layer at 1.6-3.6 us each, where here it adds 3 MB to the 302 MB the kernels read.
 
 @_jit
-def _experts_up(x_ptr, w13_ptr, ws_ptr, offs_ptr, h_ptr, D, I, limit, CLAMP: tl.constexpr, F32: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Expert program_id(0), columns program_id(1) * BLOCK_N on of h [R, I] = silu(g) * u * ws, g and u its rows
-    times w13's gate rows (0..I-1) and up rows (I..2I-1), each rounded to h's dtype as the grouped GEMM's output is."""
+def _expert_rows(offs_ptr, e, R, NT, SB, SHARED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program e's rows [start, end) and routed expert ex. SHARED: programs e < SB (ex < 0) take the shared expert's
+    rows R.. R + NT (a row for each of the NT tokens, after the R routed ones), BLOCK_M each, the others routed
+    expert ex = e - SB's rows from offs."""
+    ex = e - SB
+    if SHARED and e < SB:
+        start = R + e * BLOCK_M
+        end = tl.minimum(start + BLOCK_M, R + NT)
+    else:
+        start = tl.load(offs_ptr + ex - 1, mask=ex > 0, other=0).to(tl.int64)
+        end = tl.load(offs_ptr + ex).to(tl.int64)
+    return start, end, ex
+
+
+@_jit
+def _experts_up(x_ptr, w13_ptr, ws_ptr, offs_ptr, h_ptr, tok_ptr, s1_ptr, s3_ptr, D, I, R, NT, SB, limit,
+                CLAMP: tl.constexpr, F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Expert program_id(0), columns program_id(1) * BLOCK_N on of h [R (+ NT), I] = silu(g) * u * ws, g and u its
+    rows times w13's gate rows (0..I-1) and up rows (I..2I-1), each rounded to h's dtype as the grouped GEMM's output
+    is. SHARED: the first SB programs are the shared expert's, its rows the tokens tok [NT, D], its weights s1 and s3
+    [I, D], its routing weight 1 (h rows R.. R + NT)."""
     e = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
-    start, end = tl.load(offs_ptr + e - 1, mask=e > 0, other=0), tl.load(offs_ptr + e)
-    gate = w13_ptr + (e * 2 * I + n[:, None]) * D
+    start, end, ex = _expert_rows(offs_ptr, e, R, NT, SB, SHARED, BLOCK_M)
+    if SHARED and e < SB:
+        src, gate, up = tok_ptr - R * D, s1_ptr + n[:, None] * D, s3_ptr + n[:, None] * D  # src row r: token r - R
+    else:
+        src, gate = x_ptr, w13_ptr + (ex * 2 * I + n[:, None]) * D
+        up = gate + I * D
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         rm = rows < end
@@ -49,29 +76,32 @@ def _experts_up(x_ptr, w13_ptr, ws_ptr, offs_ptr, h_ptr, D, I, limit, CLAMP: tl.
         for k0 in range(0, D, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < D
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + k[None, :], mask=rm[:, None] & km[None, :], other=0.)
+            x = tl.load(src + rows[:, None] * D + k[None, :], mask=rm[:, None] & km[None, :], other=0.)
             wm = nm[:, None] & km[None, :]
             g += _dot(x, tl.trans(tl.load(gate + k[None, :], mask=wm, other=0.0)), F32)
-            u += _dot(x, tl.trans(tl.load(gate + I * D + k[None, :], mask=wm, other=0.0)), F32)
+            u += _dot(x, tl.trans(tl.load(up + k[None, :], mask=wm, other=0.0)), F32)
         g = g.to(h_ptr.dtype.element_ty).to(tl.float32)
         u = u.to(h_ptr.dtype.element_ty).to(tl.float32)
         if CLAMP:
             g, u = tl.minimum(g, limit), tl.minimum(tl.maximum(u, -limit), limit)
-        w = tl.load(ws_ptr + rows, mask=rm, other=0.0)
+        w = tl.load(ws_ptr + rows, mask=rm & (rows < R), other=1.0)  # the shared expert's rows: 1
         h = g * tl.sigmoid(g) * u * w[:, None]
-        tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=rm[:, None] & nm[None, :])
+        tl.store(h_ptr + rows[:, None] * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])
 
 
 @_jit
-def _experts_down(h_ptr, w2_ptr, offs_ptr, out_ptr, D, I, F32: tl.constexpr,
+def _experts_down(h_ptr, w2_ptr, offs_ptr, out_ptr, s2_ptr, D, I, R, NT, SB, F32: tl.constexpr, SHARED: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Expert program_id(0), columns program_id(1) * BLOCK_N on of out [R, D] = h times the expert's w2 [D, I]."""
+    """Expert program_id(0), columns program_id(1) * BLOCK_N on of out [R (+ NT), D] = h times the expert's w2
+    [D, I]; SHARED: the first SB programs the shared expert's rows R.. R + NT times s2 [D, I]."""
     e = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < D
-    start, end = tl.load(offs_ptr + e - 1, mask=e > 0, other=0), tl.load(offs_ptr + e)
-    w = w2_ptr + (e * D + n[:, None]) * I
+    start, end, ex = _expert_rows(offs_ptr, e, R, NT, SB, SHARED, BLOCK_M)
+    if SHARED and e < SB:
+        w = s2_ptr + n[:, None] * I
+    else:
+        w = w2_ptr + (ex * D + n[:, None]) * I
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         rm = rows < end
@@ -79,9 +109,9 @@ def _experts_down(h_ptr, w2_ptr, offs_ptr, out_ptr, D, I, F32: tl.constexpr,
         for k0 in range(0, I, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < I
-            h = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + k[None, :], mask=rm[:, None] & km[None, :], other=0.)
+            h = tl.load(h_ptr + rows[:, None] * I + k[None, :], mask=rm[:, None] & km[None, :], other=0.)
             acc += _dot(h, tl.trans(tl.load(w + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)), F32)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * D + n[None, :], acc.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + rows[:, None] * D + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=rm[:, None] & nm[None, :])
 
 
@@ -91,26 +121,39 @@ EXPERTS_BLOCK_N, EXPERTS_BLOCK_K = 64, 128
 
 @torch.library.custom_op("nano_dsv4::experts", mutates_args=())
 def experts_triton(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   limit: float) -> torch.Tensor:
+                   limit: float, x: Optional[torch.Tensor] = None, s1: Optional[torch.Tensor] = None,
+                   s3: Optional[torch.Tensor] = None, s2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """kernels.grouped_experts' math: xs [R, D] rows sorted by expert (bf16, or fp32 for the tests), ws [R] fp32
     routing weights, offs [e] int32 each expert's end row, w13 [e, 2I, D], w2 [e, D, I] (contiguous, xs' dtype),
-    limit the SwiGLU clamp (0: none) -> [R, D]."""
+    limit the SwiGLU clamp (0: none) -> [R, D]. With x [N, D] and the shared expert's w1, w3 [I, D] and w2 [D, I]
+    (s1, s3, s2): that expert too, as one more expert whose rows are x's (Expert.forward without a routing weight)
+    -> [R + N, D], its output the last N rows."""
     E, I, D = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
     assert w13.is_contiguous() and w2.is_contiguous() and xs.dtype == w13.dtype == w2.dtype, (xs.dtype, w13.dtype)
-    xs = xs.contiguous()
-    h, out = xs.new_empty(xs.shape[0], I), torch.empty_like(xs)
-    bm = 16 if xs.shape[0] <= 16 * E else 32  # tl.dot's smallest M while the experts have few rows
+    shared = x is not None
+    if shared:
+        x, s1, s3, s2 = (t.contiguous() for t in (x, s1, s3, s2))
+        assert x.dtype == s1.dtype == s3.dtype == s2.dtype == xs.dtype, (x.dtype, s1.dtype, xs.dtype)
+    xs, R, NT = xs.contiguous(), xs.shape[0], x.shape[0] if shared else 0
+    h, out = xs.new_empty(R + NT, I), xs.new_empty(R + NT, D)
+    bm = 16 if R <= 16 * E else 32  # tl.dot's smallest M while the experts have few rows
     f32 = INTERPRETED or xs.dtype == torch.float32
     bn, bk = EXPERTS_BLOCK_N, EXPERTS_BLOCK_K
-    _experts_up[(E, triton.cdiv(I, bn))](xs, w13, ws.float().contiguous(), offs.contiguous(), h, D, I, float(limit),
-                                         CLAMP=bool(limit), F32=f32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                         num_warps=4, num_stages=4)
-    _experts_down[(E, triton.cdiv(D, bn))](h, w2, offs, out, D, I, F32=f32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                           num_warps=4, num_stages=4)
+    tok, s1, s3, s2 = (x, s1, s3, s2) if shared else (xs, xs, xs, xs)  # not read without the shared expert
+    # the shared expert's rows in blocks of bm, a program each, launched first: as one program it ran its 64 rows'
+    # blocks one after another and finished last (bench_2b, batch 64: 104 us a layer against 80 without it)
+    SB = triton.cdiv(NT, bm)
+    _experts_up[(SB + E, triton.cdiv(I, bn))](xs, w13, ws.float().contiguous(), offs.contiguous(), h, tok, s1, s3,
+                                              D, I, R, NT, SB, float(limit), CLAMP=bool(limit), F32=f32,
+                                              SHARED=shared, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+                                              num_stages=4)
+    _experts_down[(SB + E, triton.cdiv(D, bn))](h, w2, offs, out, s2, D, I, R, NT, SB, F32=f32, SHARED=shared,
+                                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4)
     return out
 
 
-experts_triton.register_fake(lambda xs, *rest: torch.empty_like(xs))
+experts_triton.register_fake(lambda xs, ws, offs, w13, w2, limit, x=None, *rest: xs.new_empty(
+    xs.shape[0] + (0 if x is None else x.shape[0]), xs.shape[1]))
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -136,7 +136,7 @@ class KVCache:
         h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
         x = layer.hc_post(self._attn_decode(layer.attn, h, c, slots, pos, rope), x, post, comb)
         h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)
-        return layer.hc_post(layer.ffn(h, tokens[:, None], fused_projections(layer.ffn, h)), x, post, comb)
+        return layer.hc_post(layer.ffn(h, tokens[:, None]), x, post, comb)
 
     def _compressor_step(self, comp, h, c, name, slots, pos, fast, proj, rope):
         """Add one token's kv/score row to its partial window; when the window completes, pool it into a

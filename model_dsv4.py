@@ -488,9 +488,8 @@ class Expert(nn.Module):
         self.w2 = FP8Linear(inter_dim, dim, bias=False)
         self.w3 = FP8Linear(dim, inter_dim, bias=False)
 
-    def forward(self, x, weights=None, gu=None):  # gu: (w1(x), w3(x)) if computed already
-        g, u = (self.w1(x), self.w3(x)) if gu is None else gu
-        g, u = g.float(), u.float()
+    def forward(self, x, weights=None):
+        g, u = self.w1(x).float(), self.w3(x).float()
         if self.limit:
             g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
         h = F.silu(g) * u
@@ -640,8 +639,6 @@ class MoE(nn.Module):
     and the shared expert are replicated. Expert names keep their global index (experts.{e})."""
     fast = False  # set by Transformer.set_kernels: grouped GEMM experts (kernels.py)
     stacked = None  # the local experts' weights in two stacks, the parameters views of them: Transformer.stack_experts
-    fused = None  # the router's and the shared expert's input projections in one tensor: Transformer.fuse_projections
-    FP32 = ("gate",)
     def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
         self.args, self.ep_group = args, ep_group
@@ -654,18 +651,19 @@ class MoE(nn.Module):
                                       for e in range(first, first + self.n_local)})
         self.shared_experts = Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
 
-    def run_experts(self, xs, ws, counts):
-        """Each local expert on its contiguous slice of rows. xs: [R, D], ws: [R] -> [R, D]"""
+    def run_experts(self, xs, ws, counts, x=None):
+        """Each local expert on its contiguous slice of rows. xs: [R, D], ws: [R] -> ([R, D], None); x [N, D], this
+        rank's tokens: the shared expert's output [N, D] in place of None where the decode kernels computed it with
+        the routed experts (kernels.grouped_experts), one weight-bound pass for all, where it was a GEMM, the SwiGLU
+        and another GEMM after them."""
         # grouped GEMM: bf16 on CUDA (any dtype on the CPU); FP8 emulation has its sims in Expert only
         if self.fast and (xs.dtype == torch.bfloat16 or not xs.is_cuda) and not self.shared_experts.w1.fp8_emu:
             counts = counts if torch.is_tensor(counts) else torch.tensor(counts, device=xs.device)
-            return grouped_experts(list(self.experts.values()), xs, ws, counts, self.args.swiglu_limit, self.stacked)
-        return self.loop_experts(xs, ws, counts)
-
-    def fused_names(self):
-        return ["gate", "shared_experts.w1", "shared_experts.w3"]
-
-    fused_linears = Attention.fused_linears  # the same lookup, of this module's names
+            shared = None if x is None or self.shared_experts.w1.weight.dtype != xs.dtype else (x, self.shared_experts)
+            out = grouped_experts(list(self.experts.values()), xs, ws, counts, self.args.swiglu_limit, self.stacked,
+                                  shared)
+            return out if shared is not None else (out, None)
+        return self.loop_experts(xs, ws, counts), None
 
     @torch.compiler.disable  # row counts read on the host: under compile='layers' this runs eagerly (inductor
     def loop_experts(self, xs, ws, counts):  # failed on the padded slices of such data-dependent sizes on an H200)
@@ -681,15 +679,16 @@ class MoE(nn.Module):
             start += c
         return torch.cat(out) if out else xs
 
-    def forward(self, x, ids, p=None):
-        # x: [B, T, D], ids: [B, T] -> [B, T, D]; p: the engine's decode's fused projections of x (fused_projections)
+    def forward(self, x, ids):
+        # x: [B, T, D], ids: [B, T] -> [B, T, D]
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        p = {k: v.reshape(x.shape[0], -1) for k, v in (p or {}).items()}
-        weights, idx = self.gate(x, ids.reshape(-1), p.get("gate"), self.fast)
+        weights, idx = self.gate(x, ids.reshape(-1), fast=self.fast)
         xs, ws, counts, ctx = dispatch(x, weights, idx, self.n_local, self.ep_group, shape[1] == 1, self.fast)
-        y = combine(self.run_experts(xs, ws, counts), ctx, x.shape[0], idx.shape[1], self.ep_group)
-        shared = self.shared_experts(x, gu=(p["shared_experts.w1"], p["shared_experts.w3"]) if p else None)
+        ys, shared = self.run_experts(xs, ws, counts, x)
+        y = combine(ys, ctx, x.shape[0], idx.shape[1], self.ep_group)
+        if shared is None:  # not computed with the routed experts
+            shared = self.shared_experts(x)
         return (y + shared.float()).to(x.dtype).view(shape)
 
 
@@ -848,13 +847,14 @@ class Transformer(nn.Module):
         return changed
 
     def fuse_projections(self):
-        """The engine's (with the fast kernels on, no FP8 emulation): each layer's projections that read the same
-        input (the attention's: wq_a, wkv, the compressors' and the indexer's weights_proj; the MoE's router and shared
-        expert w1, w3) in one tensor, the weights views of it (kernels.fuse_rows_), so that decode runs them as one
-        GEMM (kernels.fused_projections; on an H200, bench_2b at batch 64: 103 GEMMs a step in 0.43 ms, fused 0.13,
-        bench/probe_fused_proj.py). Re-fuses what something replaced, like stack_experts; returns whether it fused."""
+        """The engine's (with the fast kernels on, no FP8 emulation): each layer's attention projections that read
+        the same input (wq_a, wkv, the compressors' and the indexer's weights_proj) in one tensor, the weights views of
+        it (kernels.fuse_rows_), so that decode runs them as one GEMM (kernels.fused_projections; on an H200, bench_2b
+        at batch 64: 103 GEMMs a step in 0.43 ms, fused 0.13, bench/probe_fused_proj.py, when the MoE's router and
+        shared expert were fused too; the decode kernels now compute the shared expert with the routed ones, and the
+        router is one GEMM). Re-fuses what something replaced, like stack_experts; returns whether it fused."""
         changed = False
-        for m in (mod for block in self.layers.values() for mod in (block.attn, block.ffn)):
+        for m in (block.attn for block in self.layers.values()):
             linears = m.fused_linears
             if not m.fast or any(getattr(w, "fp8_emu", False) or w.weight.dtype != linears[0].weight.dtype
                                  for w in linears):  # each projection on its own (one dtype: no silent upcast)

@@ -36,10 +36,12 @@ def triton_experts(xs, ws, offs, w13, w2, cfg):
     bm, bn, bk, warps, stages = cfg
     f32 = kt.INTERPRETED or xs.dtype == torch.float32
     h, out = xs.new_empty(xs.shape[0], I), torch.empty_like(xs)
-    kt._experts_up[(E, triton.cdiv(I, bn))](xs, w13, ws, offs, h, D, I, LIMIT, CLAMP=True, F32=f32, BLOCK_M=bm,
-                                            BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    kt._experts_down[(E, triton.cdiv(D, bn))](h, w2, offs, out, D, I, F32=f32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                              num_warps=warps, num_stages=stages)
+    R = xs.shape[0]  # (no shared expert: its pointers not read)
+    kt._experts_up[(E, triton.cdiv(I, bn))](xs, w13, ws, offs, h, xs, xs, xs, D, I, R, 0, 0, LIMIT, CLAMP=True,
+                                            F32=f32, SHARED=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                            num_warps=warps, num_stages=stages)
+    kt._experts_down[(E, triton.cdiv(D, bn))](h, w2, offs, out, xs, D, I, R, 0, 0, F32=f32, SHARED=False, BLOCK_M=bm,
+                                              BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
 
 

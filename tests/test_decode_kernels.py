@@ -28,16 +28,19 @@ pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requ
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("E,D,I,tokens,limit,dtype", [(4, 40, 24, 5, 1.0, torch.float32),
-                                                       (3, 64, 32, 20, 0.0, torch.float32),
-                                                       (4, 64, 48, 6, 1.0, torch.bfloat16)])
-def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, monkeypatch):
+@pytest.mark.parametrize("E,D,I,tokens,limit,dtype,shared", [(4, 40, 24, 5, 1.0, torch.float32, True),
+                                                              (3, 64, 32, 20, 0.0, torch.float32, False),
+                                                              (3, 64, 32, 20, 0.0, torch.float32, True),
+                                                              (4, 64, 48, 6, 1.0, torch.bfloat16, True)])
+def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, shared, monkeypatch):
     """A decode step's routed experts, rows sorted by expert (expert 1 has none), against grouped_experts' aten path
-    and Expert.forward per expert in fp64. D 40 and I 24 are not multiples of the kernels' blocks (masked edges);
-    20 tokens x top-2 of 3 experts give 40 rows > 16 an expert (blocks of 32 rows). limit 1.0 clamps most of the
-    gate and up values (x scaled by 4), 0.0 none. fp32: to 1e-5 of the largest output; bf16 to two roundings."""
+    and Expert.forward per expert in fp64; with shared, also the shared expert on the tokens' own rows, as one more
+    expert of the kernels (20 tokens: two programs of 16 rows), against Expert.forward on them (its own weights, no
+    routing weight). D 40 and I 24 are not multiples of the kernels' blocks (masked edges); 20 tokens x top-2 of 3
+    experts give 40 rows, more than 16 an expert for one. limit 1.0 clamps most of the gate and up values (x scaled by
+    4), 0.0 none. fp32: to 1e-5 of the largest output; bf16 to two roundings."""
     g = torch.Generator().manual_seed(D)
-    experts = [Expert(D, I, limit) for _ in range(E)]
+    experts = [Expert(D, I, limit) for _ in range(E + 1)]  # the last: the shared expert
     for e in experts:
         for w in (e.w1, e.w2, e.w3):
             w.weight.data = (torch.randn(w.weight.shape, generator=g) / w.weight.shape[1] ** 0.5).to(dtype)
@@ -46,17 +49,22 @@ def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, mo
     counts = torch.bincount(idx, minlength=E)
     xs = (torch.randn(len(idx), D, generator=g) * 4).to(dtype)
     ws = torch.rand(len(idx), generator=g)
+    x = (torch.randn(tokens, D, generator=g) * 4).to(dtype)
     experts = [e.to(DEV) for e in experts]
-    xs, ws, counts = xs.to(DEV), ws.to(DEV), counts.to(DEV)
+    experts, sh = experts[:E], experts[E]
+    xs, ws, counts, x = xs.to(DEV), ws.to(DEV), counts.to(DEV), x.to(DEV)
     w13, w2 = kernels.stack(experts)
     with torch.no_grad():
-        out = experts_triton(xs, ws, counts.cumsum(0).to(torch.int32), w13, w2, limit)
+        out = experts_triton(xs, ws, counts.cumsum(0).to(torch.int32), w13, w2, limit,
+                             *((x, sh.w1.weight, sh.w3.weight, sh.w2.weight) if shared else ()))
         monkeypatch.setattr(kernels, "has_triton", lambda t: False)
         ref = kernels.grouped_experts(experts, xs, ws, counts, limit)
         ends = counts.cumsum(0).tolist()
         exact = torch.cat([copy.deepcopy(e).double()(xs[a:b].double(), ws[a:b].double())
                            for e, a, b in zip(experts, [0] + ends[:-1], ends)])
-    assert out.shape == ref.shape and out.dtype == dtype
+        if shared:
+            ref, exact = torch.cat([ref, sh(x)]), torch.cat([exact, copy.deepcopy(sh).double()(x.double())])
+    assert out.shape == ref.shape == (len(idx) + tokens * shared, D) and out.dtype == dtype
     top = exact.abs().max()
     if dtype == torch.float32:
         assert (out.double() - ref.double()).abs().max() <= 1e-5 * top

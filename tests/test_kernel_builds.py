@@ -18,11 +18,12 @@ def test_kernels_compile_for_h200_and_mi355x():
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512 (one program a sequence, and
-    split; RoPE undone on the output); the experts' two kernels; the compressor's step with and without overlap;
-    the sampler's two kernels; hc_pre's two at bench_2b's sizes (the mixes' tl.dot in each backend's precision,
-    kernels_triton.hc_dot; the second with the sublayer's norm and without); the router (hash and learned, 256
-    experts) and the pairs' ordering (with the rows' copy and without); the query's norm and RoPE and the window
-    key's write at head dim 512. In a subprocess: this process's kernels are interpreted."""
+    split; RoPE undone on the output); the experts' two kernels, with the shared expert and without; the
+    compressor's step with and without overlap; the sampler's two kernels; hc_pre's two at bench_2b's sizes (the
+    mixes' tl.dot in each backend's precision, kernels_triton.hc_dot; the second with the sublayer's norm and
+    without); the router (hash and learned, 256 experts) and the pairs' ordering (with the rows' copy and without);
+    the query's norm and RoPE and the window key's write at head dim 512. In a subprocess: this process's kernels
+    are interpreted."""
     code = """
 import kernels_attention as ka, kernels_decode as kd, kernels_route as kr, kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
@@ -43,9 +44,11 @@ kernels += [(kd._compress_step, {"OVERLAP": o, "WP": 1024 if o else 512, "DP": 5
                                   "BR": min(m, kd.COMPRESS_ROWS), "RH": 32},
              {**{a: "i32" for a in ("row", "m", "d", "n_out")}, "eps": "fp32", "slot_ptr": "*i64", "pos_ptr": "*i64"},
              ("out_ptr",), 4) for o, m in ((True, 4), (False, 128))]
-kernels += [(fn, consts, {"D": "i32", "I": "i32", "limit": "fp32", "offs_ptr": "*i32"},
-             ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "out_ptr"), 4)
-            for fn, consts in ((kd._experts_up, {"CLAMP": True, **blocks}), (kd._experts_down, blocks))]
+kernels += [(fn, {**consts, "SHARED": sh}, {**{a: "i32" for a in ("D", "I", "R", "NT", "SB")}, "limit": "fp32",
+                                          "offs_ptr": "*i32"},
+             ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "out_ptr", "tok_ptr", "s1_ptr", "s3_ptr", "s2_ptr"), 4)
+            for fn, consts in ((kd._experts_up, {"CLAMP": True, **blocks}), (kd._experts_down, blocks))
+            for sh in (False, True)]
 kernels += [(kt._hc_mix_parts, {"R": 24, "RP": 32, "BT": kt.HC_BT, "BK": kt.HC_BK, "DOT": None},
              {"T": "i32", "K": "i32"}, ("x_ptr",), 4),
             *((kt._hc_pre, {"N": 4, "NP": 4, "RP": 32, "STEPS": 39, "SB": 64, "BLOCK_D": 2048, "NORM": norm},
@@ -79,4 +82,4 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 46, out.stdout
+    assert out.stdout.count("compiled") == 50, out.stdout
