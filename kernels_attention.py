@@ -28,16 +28,26 @@ from kernels_triton import INTERPRETED, _dot, _jit, tl, triton
 # more blocks of keys than DECODE_SPLIT_BLOCKS, several programs share them (blocks split, split + splits, ...):
 # each finds its blocks' max and denominator, then, in a second kernel, takes every split's to the row's and writes
 # its blocks' share of the output, in fp32; a third adds the shares in split order. The output is rounded, and RoPE
-# undone on its last dims, as Attention.output does it (so the engine rounds where the trainer does).
+# undone on its last dims, as Attention.output does it (so the engine rounds where the trainer does). Which keys a
+# sequence attends the kernel works out from the window's positions and the sequence's own (session 29): as a [B, W +
+# S] mask it was an inductor kernel a layer, 1.6 us in a CSA layer and 7 us in an HCA one (bench_2b, batch 64).
 
 HEADS = 16  # heads a program: tl.dot's smallest M
 
 
 @_jit
-def _decode_keep(mask_ptr, b, start, L, BLOCK_N: tl.constexpr):
-    """Which of keys start.. start+BLOCK_N-1 sequence b attends (its mask row), and whether any."""
+def _decode_keep(wpos_ptr, cmask_ptr, b, slot, pos, n_vis, start, W, L, BLOCK_N: tl.constexpr, CMASK: tl.constexpr):
+    """Which of keys start.. start+BLOCK_N-1 sequence b (cache row slot, at position pos) attends, and whether any:
+    window key n where its position win_pos[slot, n] is in (pos - W, pos]; compressed entry j = n - W where
+    j < n_vis (its whole window at or before pos) and, with CMASK, cmask[b, j] (the indexer's pick; L - W a row)."""
     n = start + tl.arange(0, BLOCK_N)
-    keep = tl.load(mask_ptr + b * L + n, mask=n < L, other=0) != 0
+    wp = tl.load(wpos_ptr + slot * W + n, mask=n < W, other=-1)
+    keep = (n < W) & (wp >= 0) & (wp > pos - W) & (wp <= pos)
+    j = n - W
+    cm = (n >= W) & (n < L) & (j < n_vis)
+    if CMASK:
+        cm = cm & (tl.load(cmask_ptr + b * (L - W) + j, mask=cm, other=0) != 0)
+    keep = keep | cm
     return n, keep, tl.max(keep.to(tl.int32), 0) > 0
 
 
@@ -51,22 +61,25 @@ def _decode_block(q, win_ptr, comp_ptr, slot, n, keep, W, D, n_comp, scale, d, d
 
 
 @_jit
-def _decode_seq(q_ptr, sink_ptr, slot_ptr, b, hg, H, D, HEADS: tl.constexpr, DP: tl.constexpr):
-    """A program's sequence b and heads hg * HEADS on: (h, d, their masks, q [HEADS, DP], sink [HEADS], slot)."""
+def _decode_seq(q_ptr, sink_ptr, slot_ptr, pos_ptr, b, hg, H, D, ratio, HEADS: tl.constexpr, DP: tl.constexpr):
+    """A program's sequence b and heads hg * HEADS on: (h, d, their masks, q [HEADS, DP], sink [HEADS], slot, its
+    position, its visible compressed entries: (pos + 1) // ratio)."""
     h, d = hg * HEADS + tl.arange(0, HEADS), tl.arange(0, DP)
     hm, dm = h < H, d < D
     q = tl.load(q_ptr + (b * H + h[:, None]) * D + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
-    return h, d, hm, dm, q, tl.load(sink_ptr + h, mask=hm, other=0.0), tl.load(slot_ptr + b).to(tl.int64)
+    pos = tl.load(pos_ptr + b)
+    return (h, d, hm, dm, q, tl.load(sink_ptr + h, mask=hm, other=0.0), tl.load(slot_ptr + b).to(tl.int64), pos,
+            (pos + 1) // ratio)
 
 
 @_jit
-def _decode_stats(q, win_ptr, comp_ptr, mask_ptr, b, slot, first, L, W, D, n_comp, scale, d, dm, STEP,
-                  HEADS: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
+def _decode_stats(q, win_ptr, comp_ptr, wpos_ptr, cmask_ptr, b, slot, pos, n_vis, first, L, W, D, n_comp, scale, d,
+                  dm, STEP, HEADS: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, CMASK: tl.constexpr):
     """The first pass over key blocks first, first + STEP, ...: the row max and denominator [HEADS] of their kept
     keys' logits, online (-inf and 0 where none is kept)."""
     mx, den = tl.full([HEADS], float("-inf"), tl.float32), tl.zeros([HEADS], dtype=tl.float32)
     for start in range(first * BLOCK_N, L, STEP * BLOCK_N):
-        n, keep, some = _decode_keep(mask_ptr, b, start, L, BLOCK_N)
+        n, keep, some = _decode_keep(wpos_ptr, cmask_ptr, b, slot, pos, n_vis, start, W, L, BLOCK_N, CMASK)
         if some:
             k, logits = _decode_block(q, win_ptr, comp_ptr, slot, n, keep, W, D, n_comp, scale, d, dm, F32)
             new = tl.maximum(mx, tl.max(logits, 1))
@@ -76,13 +89,14 @@ def _decode_stats(q, win_ptr, comp_ptr, mask_ptr, b, slot, first, L, W, D, n_com
 
 
 @_jit
-def _decode_pv(q, win_ptr, comp_ptr, mask_ptr, b, slot, first, L, W, D, n_comp, scale, d, dm, STEP, mx, den,
-               HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
+def _decode_pv(q, win_ptr, comp_ptr, wpos_ptr, cmask_ptr, b, slot, pos, n_vis, first, L, W, D, n_comp, scale, d, dm,
+               STEP, mx, den, HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+               CMASK: tl.constexpr):
     """The second pass over the same blocks: the probabilities (the whole row's max and denominator, the sink in
     both), rounded to the keys' dtype, times the keys: fp32 [HEADS, DP]."""
     acc = tl.zeros([HEADS, DP], dtype=tl.float32)
     for start in range(first * BLOCK_N, L, STEP * BLOCK_N):
-        n, keep, some = _decode_keep(mask_ptr, b, start, L, BLOCK_N)
+        n, keep, some = _decode_keep(wpos_ptr, cmask_ptr, b, slot, pos, n_vis, start, W, L, BLOCK_N, CMASK)
         if some:
             k, logits = _decode_block(q, win_ptr, comp_ptr, slot, n, keep, W, D, n_comp, scale, d, dm, F32)
             p = tl.exp(logits - mx[:, None]) / den[:, None]
@@ -107,55 +121,60 @@ def _finish(acc, cos_ptr, sin_ptr, b, D, dt, HEADS: tl.constexpr, DP: tl.constex
 
 
 @_jit
-def _decode_attn(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, scale, H, D, W,
-                 S, n_comp, HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
-                 RH: tl.constexpr):
-    """Sequence program_id(0), heads program_id(1) * HEADS on: q [HEADS, DP] against the L = W + S keys whose mask
-    byte is set, and the sink; both passes over all of its keys. RH: RoPE undone on the output's last 2 * RH dims
+def _decode_attn(q_ptr, win_ptr, comp_ptr, slot_ptr, wpos_ptr, pos_ptr, cmask_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr,
+                 scale, H, D, W, S, n_comp, ratio, HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 F32: tl.constexpr, RH: tl.constexpr, CMASK: tl.constexpr):
+    """Sequence program_id(0), heads program_id(1) * HEADS on: q [HEADS, DP] against the L = W + S keys it attends
+    (_decode_keep), and the sink; both passes over all of its keys. RH: RoPE undone on the output's last 2 * RH dims
     (0: not)."""
     b = tl.program_id(0).to(tl.int64)
-    h, d, hm, dm, q, sink, slot = _decode_seq(q_ptr, sink_ptr, slot_ptr, b, tl.program_id(1), H, D, HEADS, DP)
-    mx, den = _decode_stats(q, win_ptr, comp_ptr, mask_ptr, b, slot, 0, W + S, W, D, n_comp, scale, d, dm, 1,
-                            HEADS, BLOCK_N, F32)
+    h, d, hm, dm, q, sink, slot, pos, n_vis = _decode_seq(q_ptr, sink_ptr, slot_ptr, pos_ptr, b, tl.program_id(1), H, D,
+                                                          ratio, HEADS, DP)
+    mx, den = _decode_stats(q, win_ptr, comp_ptr, wpos_ptr, cmask_ptr, b, slot, pos, n_vis, 0, W + S, W, D, n_comp,
+                            scale, d, dm, 1, HEADS, BLOCK_N, F32, CMASK)
     top = tl.maximum(mx, sink)  # the sink is in the row max and the denominator
     den = den * tl.exp(mx - top) + tl.exp(sink - top)
-    acc = _decode_pv(q, win_ptr, comp_ptr, mask_ptr, b, slot, 0, W + S, W, D, n_comp, scale, d, dm, 1, top, den,
-                     HEADS, DP, BLOCK_N, F32)
+    acc = _decode_pv(q, win_ptr, comp_ptr, wpos_ptr, cmask_ptr, b, slot, pos, n_vis, 0, W + S, W, D, n_comp, scale,
+                     d, dm, 1, top, den, HEADS, DP, BLOCK_N, F32, CMASK)
     tl.store(out_ptr + (b * H + h[:, None]) * D + d[None, :],
-             _finish(acc, cos_ptr, sin_ptr, b, D, out_ptr.dtype.element_ty, HEADS, DP, RH), mask=hm[:, None] & dm[None, :])
+             _finish(acc, cos_ptr, sin_ptr, b, D, out_ptr.dtype.element_ty, HEADS, DP, RH),
+             mask=hm[:, None] & dm[None, :])
 
 
 @_jit
-def _decode_attn_stats(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, cos_ptr, sin_ptr, stats_ptr, scale, H,
-                       D, W, S, n_comp, SPLITS, HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       F32: tl.constexpr, RH: tl.constexpr):
+def _decode_attn_stats(q_ptr, win_ptr, comp_ptr, slot_ptr, wpos_ptr, pos_ptr, cmask_ptr, sink_ptr, cos_ptr, sin_ptr,
+                       stats_ptr, scale, H, D, W, S, n_comp, ratio, SPLITS, HEADS: tl.constexpr, DP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, F32: tl.constexpr, RH: tl.constexpr, CMASK: tl.constexpr):
     """Split program_id(2) of the keys (blocks split, split + SPLITS, ...): its max and denominator to stats
     [B, SPLITS, 2, H]."""
     b, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
-    h, d, hm, dm, q, sink, slot = _decode_seq(q_ptr, sink_ptr, slot_ptr, b, tl.program_id(1), H, D, HEADS, DP)
-    mx, den = _decode_stats(q, win_ptr, comp_ptr, mask_ptr, b, slot, split, W + S, W, D, n_comp, scale, d, dm,
-                            SPLITS, HEADS, BLOCK_N, F32)
+    h, d, hm, dm, q, sink, slot, pos, n_vis = _decode_seq(q_ptr, sink_ptr, slot_ptr, pos_ptr, b, tl.program_id(1), H, D,
+                                                          ratio, HEADS, DP)
+    mx, den = _decode_stats(q, win_ptr, comp_ptr, wpos_ptr, cmask_ptr, b, slot, pos, n_vis, split, W + S, W, D,
+                            n_comp, scale, d, dm, SPLITS, HEADS, BLOCK_N, F32, CMASK)
     row = stats_ptr + ((b * SPLITS + split) * 2) * H + h
     tl.store(row, mx, mask=hm)
     tl.store(row + H, den, mask=hm)
 
 
 @_jit
-def _decode_attn_part(q_ptr, win_ptr, comp_ptr, slot_ptr, mask_ptr, sink_ptr, cos_ptr, sin_ptr, stats_ptr, part_ptr,
-                      scale, H, D, W, S, n_comp, SPLITS, B, HEADS: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, F32: tl.constexpr, RH: tl.constexpr):
+def _decode_attn_part(q_ptr, win_ptr, comp_ptr, slot_ptr, wpos_ptr, pos_ptr, cmask_ptr, sink_ptr, cos_ptr, sin_ptr,
+                      stats_ptr, part_ptr, scale, H, D, W, S, n_comp, ratio, SPLITS, B, HEADS: tl.constexpr,
+                      DP: tl.constexpr, SP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, RH: tl.constexpr,
+                      CMASK: tl.constexpr):
     """Split program_id(2) again: the whole row's max and denominator from every split's stats (added in split
     order), then its blocks' share of the output, fp32, to part [SPLITS, B, H, D]."""
     b, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
-    h, d, hm, dm, q, sink, slot = _decode_seq(q_ptr, sink_ptr, slot_ptr, b, tl.program_id(1), H, D, HEADS, DP)
+    h, d, hm, dm, q, sink, slot, pos, n_vis = _decode_seq(q_ptr, sink_ptr, slot_ptr, pos_ptr, b, tl.program_id(1), H, D,
+                                                          ratio, HEADS, DP)
     sp = tl.arange(0, SP)
     at = stats_ptr + ((b * SPLITS + sp[:, None]) * 2) * H + h[None, :]
     sm = (sp < SPLITS)[:, None] & hm[None, :]
     mxs, dens = tl.load(at, mask=sm, other=float("-inf")), tl.load(at + H, mask=sm, other=0.0)  # [SP, HEADS]
     top = tl.maximum(tl.max(mxs, 0), sink)
     den = tl.sum(dens * tl.exp(mxs - top[None, :]), 0) + tl.exp(sink - top)
-    acc = _decode_pv(q, win_ptr, comp_ptr, mask_ptr, b, slot, split, W + S, W, D, n_comp, scale, d, dm, SPLITS, top,
-                     den, HEADS, DP, BLOCK_N, F32)
+    acc = _decode_pv(q, win_ptr, comp_ptr, wpos_ptr, cmask_ptr, b, slot, pos, n_vis, split, W + S, W, D, n_comp,
+                     scale, d, dm, SPLITS, top, den, HEADS, DP, BLOCK_N, F32, CMASK)
     tl.store(part_ptr + ((split * B + b) * H + h[:, None]) * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
 
 
@@ -175,27 +194,37 @@ def _decode_attn_sum(part_ptr, cos_ptr, sin_ptr, out_ptr, B, H, D, SPLITS, HEADS
 
 
 @torch.library.custom_op("nano_dsv4::decode_attention", mutates_args=())
-def decode_attention_triton(q: torch.Tensor, win: torch.Tensor, comp: Optional[torch.Tensor], slots: torch.Tensor,
-                            mask: torch.Tensor, sink: torch.Tensor, scale: float, cos: Optional[torch.Tensor] = None,
-                            sin: Optional[torch.Tensor] = None, splits: int = 0) -> torch.Tensor:
+def decode_attention_triton(q: torch.Tensor, win: torch.Tensor, win_pos: torch.Tensor, comp: Optional[torch.Tensor],
+                            slots: torch.Tensor, pos: torch.Tensor, ratio: int, sink: torch.Tensor, scale: float,
+                            cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
+                            cmask: Optional[torch.Tensor] = None, splits: int = 0) -> torch.Tensor:
     """sink_attention for one query token per sequence, reading its keys from the caches: q [B, H, d]; win
-    [slots, W, d] and comp [slots, n, d] (or None) the caches (contiguous, q's dtype: bf16, or fp32 for the tests),
-    slots [B] each sequence's row, mask bool [B, W + S]: which of the row's W window keys and first S compressed
-    entries to attend; sink [H] fp32 -> [B, H, d] in q's dtype. cos, sin [B, rd/2] fp32 (or None): the output with
-    RoPE undone on its last rd dims, as Attention.output does first, with the same roundings. splits: programs a
-    sequence's keys are split over (0: decode_splits' choice)."""
+    [slots, W, d] and win_pos [slots, W] int64 the window's ring buffer and its keys' positions (-1: none), comp
+    [slots, n, d] (or None) the compressed entries (contiguous, q's dtype: bf16, or fp32 for the tests), slots [B]
+    each sequence's row, pos [B] int64 its position; sink [H] fp32 -> [B, H, d] in q's dtype. The keys attended, as
+    KVCache._attn_decode's mask has them: window keys whose position is in (pos - W, pos]; compressed entries j <
+    (pos + 1) // ratio (ratio: the compressor's; their whole window is at or before pos), and with cmask [B, S] bool
+    only where it is set (the indexer's picks: then only the first S entries). cos, sin [B, rd/2] fp32 (or None): the
+    output with RoPE undone on its last rd dims, as Attention.output does first, with the same roundings. splits:
+    programs a sequence's keys are split over (0: decode_splits' choice)."""
     B, H, D = q.shape
-    W, L = win.shape[1], mask.shape[1]
+    W = win.shape[1]
+    S = 0 if comp is None else cmask.shape[1] if cmask is not None else comp.shape[1]
+    L = W + S
     comp = win if comp is None else comp  # not read: S = 0
-    assert win.is_contiguous() and comp.is_contiguous() and q.dtype == win.dtype == comp.dtype
+    assert win.is_contiguous() and comp.is_contiguous() and win_pos.is_contiguous(), "the caches, contiguous"
+    assert q.dtype == win.dtype == comp.dtype, (q.dtype, win.dtype, comp.dtype)
     assert q.dtype in (torch.bfloat16, torch.float32), q.dtype
+    assert S == 0 or ratio > 0, "compressed entries need their compress ratio"
     splits = splits or decode_splits(L, B * triton.cdiv(H, HEADS))
     cos, sin = (sink, sink) if cos is None else (t.reshape(B, -1).float().contiguous() for t in (cos, sin))
-    args = (q.contiguous(), win, comp, slots.contiguous(), mask.contiguous().view(torch.uint8),
-            sink.float().contiguous(), cos, sin)
-    sizes = (scale, H, D, W, L - W, comp.shape[1])
+    cm = win_pos if cmask is None else cmask.contiguous().view(torch.uint8)  # not read without cmask
+    args = (q.contiguous(), win, comp, slots.contiguous(), win_pos, pos.contiguous(), cm, sink.float().contiguous(),
+            cos, sin)
+    sizes = (scale, H, D, W, S, comp.shape[1], max(ratio, 1))
     meta = dict(HEADS=HEADS, DP=triton.next_power_of_2(D), BLOCK_N=DECODE_BLOCK_N,
-                F32=INTERPRETED or q.dtype == torch.float32, RH=0 if cos is sink else cos.shape[1], num_warps=4)
+                F32=INTERPRETED or q.dtype == torch.float32, RH=0 if cos is sink else cos.shape[1],
+                CMASK=cmask is not None, num_warps=4)
     if splits == 1:
         out = torch.empty_like(q)
         _decode_attn[(B, triton.cdiv(H, HEADS))](*args, out, *sizes, **meta)

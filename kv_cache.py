@@ -182,9 +182,7 @@ class KVCache:
         else:
             c["win"][slots, pos % W] = attn.window_kv(h, cos, sin, p.get("wkv"))[:, 0]
             c["win_pos"][slots, pos % W] = pos
-        wpos = c["win_pos"][slots]  # [B, W]
-        mask = ((wpos >= 0) & (wpos > pos[:, None] - W) & (wpos <= pos[:, None]))[:, None]  # [B, 1, W]
-        S = 0
+        S, visible = 0, None
         if attn.ratio:
             self._compressor_step(attn.compressor, h, c, "comp", slots, pos, fast, comp("compressor"), rope)
             n_vis = (pos + 1) // attn.ratio  # entries whose whole window is at or before pos
@@ -200,11 +198,15 @@ class KVCache:
                 score = index.scores(h, qr, c["idx"][slots, :S], cos, sin, p.get("indexer.weights_proj"))[:, 0]
                 score = score.masked_fill(~visible, float("-inf"))
                 visible = visible & top_k_mask(score, attn.indexer.topk)
-            mask = torch.cat([mask, visible[:, None]], dim=-1)
-        if fast:  # kernels_attention.py: keys read in place, the output's RoPE undone inside, as output() rounds
-            o = decode_attention_triton(q[:, 0], c["win"], c.get("comp"), slots, mask[:, 0], attn.attn_sink,
-                                        attn.softmax_scale, cos[:, 0], sin[:, 0])[:, None]
+        if fast:  # kernels_attention.py: keys read in place, the mask below worked out inside (but the indexer's
+            # picks), the output's RoPE undone inside, as output() rounds
+            o = decode_attention_triton(q[:, 0], c["win"], c["win_pos"], c.get("comp"), slots, pos, attn.ratio,
+                                        attn.attn_sink, attn.softmax_scale, cos[:, 0], sin[:, 0],
+                                        visible if attn.indexer is not None else None)[:, None]
             return attn.output(o, cos, sin, rotated=False)
+        wpos = c["win_pos"][slots]  # [B, W]
+        mask = ((wpos >= 0) & (wpos > pos[:, None] - W) & (wpos <= pos[:, None]))[:, None]  # [B, 1, W]
+        mask = torch.cat([mask, visible[:, None]], dim=-1) if attn.ratio else mask
         keys = c["win"][slots]  # [B, W, d], then the compressed entries
         keys = torch.cat([keys, c["comp"][slots, :S]], dim=1) if S else keys
         return attn.output(sink_attention(q, keys, mask, attn.attn_sink, attn.softmax_scale), cos, sin)

@@ -228,6 +228,9 @@ def rope_angles(pos: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, tor
     return angles(pos, inv)
 
 
+PathInvariant.DECOMPOSE[torch.ops.nano_dsv4.rope_angles.default] = angles  # its cos and sin in fp64 there too
+
+
 @rope_angles.register_fake
 def _(pos, inv):
     shape = torch.broadcast_shapes((pos.shape[0], 1, *pos.shape[1:]), (1, inv.shape[0]))

@@ -22,13 +22,18 @@ g = torch.Generator().manual_seed(0)
 reference = torch.compile(lambda q, keys, mask, sink: sink_attention(q[:, None], keys, mask[:, None], sink, scale))
 print(f"decode attention, {torch.cuda.get_device_name()}, torch {torch.__version__}, bench_2b sizes", flush=True)
 for B in (64, 256):
-    for name, cap, kept in (("window", 0, 0), ("HCA", 9, 4), ("CSA", 264, 136)):
+    for name, cap, kept, ratio in (("window", 0, 0, 0), ("HCA", 9, 4, 128), ("CSA", 264, 136, 4)):
         rnd = lambda *shape: torch.randn(*shape, generator=g).cuda().bfloat16()
         q, win, sink = rnd(B, H, D), rnd(B + 1, W, D), torch.randn(H, generator=g).cuda()
         comp = rnd(B + 1, cap, D) if cap else None
         slots = torch.randperm(B + 1, generator=g)[:B].cuda()
         mask = torch.ones(B, W + cap, dtype=torch.bool, device="cuda")
         mask[:, W + kept:] = False
+        # the same keys as the kernel works them out: the window's positions, each sequence at the position where
+        # `kept` entries are complete, the indexer (CSA) picking all of them
+        pos = torch.full((B,), max(kept * ratio - 1, W), device="cuda")
+        win_pos = (pos[0] - torch.arange(W, device="cuda")).expand(B + 1, W).contiguous()
+        cmask = mask[:, W:] if name == "CSA" else None
         keys = torch.cat([win[slots], comp[slots]], 1) if cap else win[slots]
         ref = reference(q, keys, mask, sink)[:, 0]
         t_ref = graph_us(lambda: reference(q, keys, mask, sink))
@@ -37,7 +42,8 @@ for B in (64, 256):
         for block in (32, 64):
             kd.DECODE_BLOCK_N = block
             for splits in (1, 2, 3, 4):
-                run = lambda: kd.decode_attention_triton(q, win, comp, slots, mask, sink, scale, splits=splits)
+                run = lambda: kd.decode_attention_triton(q, win, win_pos, comp, slots, pos, ratio, sink, scale,
+                                                         cmask=cmask, splits=splits)
                 err = (run().float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
                 print(f"    blocks of {block}, {splits} a sequence: {graph_us(run):.1f} us (max |Δ| / max |ref| "
                       f"{err:.1e})", flush=True)

@@ -153,6 +153,24 @@ def test_path_invariant_keeps_dtypes_and_rounds_once():
         0, torch.arange(37) % 3, a.double()).float())
 
 
+def test_path_invariant_rope_tables_of_prefill_and_decode_agree(monkeypatch):
+    """Under kernels.PathInvariant the RoPE tables of the trainer and the prefill (model_dsv4.rope_angles, an op of its
+    own) equal the decode's (the same angles computed inline, positions [B, 1]) bit for bit, for both bases, at
+    positions 0-4095: the mode runs the op's code (PathInvariant.DECOMPOSE), its cos and sin in fp64 as the decode's
+    are. Without that they part by an fp32 rounding, as sessions 23-28 had it (|Δ logprob| 0.079 with --invariant on
+    an H200; bench.py --what=mismatch --invariant on tiny, bf16, on the CPU: 8e-3): checked here too."""
+    from kernels import PathInvariant
+    pos = torch.arange(4096)
+
+    def agree():
+        with PathInvariant():
+            return all(torch.equal(a, b[:, 0]) for ratio in (0, 4)
+                       for a, b in zip(rope_cos_sin(SMALL, ratio, pos), rope_cos_sin(SMALL, ratio, pos[:, None])))
+    assert agree()
+    monkeypatch.setattr(PathInvariant, "DECOMPOSE", {})
+    assert not agree()
+
+
 def test_layers_finds_injected_bug():
     """Trainer full forward vs engine KV-cache decode, fp32: clean, they agree everywhere; with one layer's
     comb untransposed they part at that layer's first hc_post (the attention sublayer's), not before.

@@ -18,12 +18,12 @@ def test_kernels_compile_for_h200_and_mi355x():
     compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
     the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512 (one program a sequence, and
-    split; RoPE undone on the output); the experts' two kernels, with the shared expert and without; the
-    compressor's step with and without overlap; the sampler's two kernels; hc_pre's two at bench_2b's sizes (the
-    mixes' tl.dot in each backend's precision, kernels_triton.hc_dot; the second with the sublayer's norm and
-    without); the router (hash and learned, 256 experts) and the pairs' ordering (with the rows' copy and without);
-    the query's norm and RoPE and the window key's write at head dim 512. In a subprocess: this process's kernels
-    are interpreted."""
+    split; RoPE undone on the output; with the indexer's picks and without); the experts' two kernels, with the
+    shared expert and without; the compressor's step with and without overlap; the sampler's two kernels; hc_pre's
+    two at bench_2b's sizes (the mixes' tl.dot in each backend's precision, kernels_triton.hc_dot; the second with
+    the sublayer's norm and without); the router (hash and learned, 256 experts) and the pairs' ordering (with the
+    rows' copy and without); the query's norm and RoPE and the window key's write at head dim 512. In a subprocess:
+    this process's kernels are interpreted."""
     code = """
 import kernels_attention as ka, kernels_decode as kd, kernels_route as kr, kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
@@ -34,10 +34,11 @@ kernels = [(fn, {"STEPS": 39, "N": 4, "NP": 4, "BLOCK": kt.BLOCK}, {"n_tok": "i3
 kernels += [(fn, {"N": 4, "NP": 4, "BLOCK_D": 2048}, {"D": "i32"}, ("f_ptr", "x_ptr", "y_ptr", "dy_ptr", "df_ptr"),
              8) for fn in (kt._hc_post_fwd, kt._hc_post_bwd)]
 attn = {"HEADS": ka.HEADS, "DP": 512, "BLOCK_N": ka.DECODE_BLOCK_N, "F32": False, "RH": 32}
-kernels += [(fn, consts, {"scale": "fp32", **{a: "i32" for a in ("H", "D", "W", "S", "n_comp", "SPLITS", "B")},
-             "slot_ptr": "*i64", "mask_ptr": "*u8"}, ("q_ptr", "win_ptr", "comp_ptr", "out_ptr"), 4)
-            for fn, consts in ((ka._decode_attn, attn), (ka._decode_attn_stats, attn),
-                               (ka._decode_attn_part, {**attn, "SP": 4}),
+attn_sizes = {a: "i32" for a in ("H", "D", "W", "S", "n_comp", "ratio", "SPLITS", "B")}
+attn_sizes |= {"scale": "fp32", **{a: "*i64" for a in ("slot_ptr", "wpos_ptr", "pos_ptr")}, "cmask_ptr": "*u8"}
+passes = ((ka._decode_attn, {}), (ka._decode_attn_stats, {}), (ka._decode_attn_part, {"SP": 4}))
+kernels += [(fn, consts, attn_sizes, ("q_ptr", "win_ptr", "comp_ptr", "out_ptr"), 4)
+            for fn, consts in (*((f, {**attn, **sp, "CMASK": c}) for c in (False, True) for f, sp in passes),
                                (ka._decode_attn_sum, {a: attn[a] for a in ("HEADS", "DP", "RH")}))]
 blocks = {"F32": False, "BLOCK_M": 16, "BLOCK_N": kd.EXPERTS_BLOCK_N, "BLOCK_K": kd.EXPERTS_BLOCK_K}
 kernels += [(kd._compress_step, {"OVERLAP": o, "WP": 1024 if o else 512, "DP": 512, "MP": m,
@@ -82,4 +83,4 @@ for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 50, out.stdout
+    assert out.stdout.count("compiled") == 56, out.stdout
