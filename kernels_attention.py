@@ -75,10 +75,11 @@ def _decode_seq(q_ptr, sink_ptr, slot_ptr, pos_ptr, b, hg, H, D, ratio, HEADS: t
 @_jit
 def _decode_stats(q, win_ptr, comp_ptr, wpos_ptr, cmask_ptr, b, slot, pos, n_vis, first, L, W, D, n_comp, scale, d,
                   dm, STEP, HEADS: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, CMASK: tl.constexpr):
-    """The first pass over key blocks first, first + STEP, ...: the row max and denominator [HEADS] of their kept
-    keys' logits, online (-inf and 0 where none is kept)."""
+    """The first pass over key blocks first, first + STEP, ... (to the sequence's last visible compressed entry:
+    the caches' later rows are never attended): the row max and denominator [HEADS] of their kept keys' logits,
+    online (-inf and 0 where none is kept)."""
     mx, den = tl.full([HEADS], float("-inf"), tl.float32), tl.zeros([HEADS], dtype=tl.float32)
-    for start in range(first * BLOCK_N, L, STEP * BLOCK_N):
+    for start in range(first * BLOCK_N, tl.minimum(L, W + n_vis).to(tl.int32), STEP * BLOCK_N):  # to the last visible
         n, keep, some = _decode_keep(wpos_ptr, cmask_ptr, b, slot, pos, n_vis, start, W, L, BLOCK_N, CMASK)
         if some:
             k, logits = _decode_block(q, win_ptr, comp_ptr, slot, n, keep, W, D, n_comp, scale, d, dm, F32)
@@ -95,7 +96,7 @@ def _decode_pv(q, win_ptr, comp_ptr, wpos_ptr, cmask_ptr, b, slot, pos, n_vis, f
     """The second pass over the same blocks: the probabilities (the whole row's max and denominator, the sink in
     both), rounded to the keys' dtype, times the keys: fp32 [HEADS, DP]."""
     acc = tl.zeros([HEADS, DP], dtype=tl.float32)
-    for start in range(first * BLOCK_N, L, STEP * BLOCK_N):
+    for start in range(first * BLOCK_N, tl.minimum(L, W + n_vis).to(tl.int32), STEP * BLOCK_N):
         n, keep, some = _decode_keep(wpos_ptr, cmask_ptr, b, slot, pos, n_vis, start, W, L, BLOCK_N, CMASK)
         if some:
             k, logits = _decode_block(q, win_ptr, comp_ptr, slot, n, keep, W, D, n_comp, scale, d, dm, F32)

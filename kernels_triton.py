@@ -274,8 +274,9 @@ hc_post_triton.register_autograd(_hc_post_backward, setup_context=_hc_post_setup
 # one fp32 tile product and the tokens' partial sums of squares, so a step has (tokens / 16) x (K / 128) programs
 # and reads fn about tokens / 16 times. (Session 25's first version gave each token one program that walked all of K:
 # 64 programs, each a chain of 48 dependent loads, took 41-76 us a call where the compiled path takes 18; session 26.)
-# The second takes one token: it adds its partials in a fixed order (a token's sums do not depend on the batch), then
-# the norm, the Sinkhorn in registers and the weighted sum. For the few tokens of a decode step (HC_PRE_TOKENS).
+# The second takes one token in two programs: each adds the partials it needs in a fixed order (a token's sums do not
+# depend on the batch) and the norm; one forms pre, the weighted sum and post, the other comb by the Sinkhorn in
+# registers, which had been half of the one program's time. For the few tokens of a decode step (HC_PRE_TOKENS).
 # Each alone on an H200 (bench/probe_hc_pre.py, session 26), at 64 / 256 tokens: the first 10.7 / 29.7 us with fp32
 # products, 3.3 / 6.9 with tf32x3's (hc_dot); the second 7.3 / 8.1. The compiled path they replace: 17.6 / 19.1.
 # (Session 28 had the first kernel also form the streams from the attention's output, hc_post inside it: one kernel
@@ -302,54 +303,74 @@ def _hc_mix_parts(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, R: tl.constexpr, RP: tl
 
 
 @_jit
+def _hc_partials(part_ptr, ss_ptr, t, T, S, N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, SB: tl.constexpr,
+                 AT: tl.constexpr, WIDE: tl.constexpr):
+    """Token t's mixes from AT on (0: pre, N: post, 2 * N: comb), [NP] (or [NP, NP] with WIDE), and the norm's
+    factor 1 / rms over all n * D values: the split GEMM's S partials added in the same order for every token, SB
+    blocks of K at a time, read in the shapes they are used in."""
+    i, sb = tl.arange(0, NP), tl.arange(0, SB)
+    im = i < N
+    acc = tl.zeros([NP, NP] if WIDE else [NP], dtype=tl.float32)
+    ss = tl.zeros([SB], dtype=tl.float32)
+    for s0 in range(0, S, SB):
+        s = s0 + sb
+        row = part_ptr + (s * T + t) * RP + AT
+        sm = s < S
+        if WIDE:
+            acc += tl.sum(tl.load(row[:, None, None] + i[None, :, None] * N + i[None, None, :],
+                                  mask=sm[:, None, None] & (im[:, None] & im[None, :])[None, :, :], other=0.0), 0)
+        else:
+            acc += tl.sum(tl.load(row[:, None] + i[None, :], mask=sm[:, None] & im[None, :], other=0.0), 0)
+        ss += tl.load(ss_ptr + s * T + t, mask=sm, other=0.0)
+    return acc, ss
+
+
+@_jit
 def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, T, S, D, norm_eps, hc_eps,
             out_eps, N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, STEPS: tl.constexpr, SB: tl.constexpr,
             BLOCK_D: tl.constexpr, NORM: tl.constexpr):
-    """Token program_id(0): its S partials -> h [D], post [N], comb [N, N]; the same steps as mhc.hc_mixes,
-    hc_split_sinkhorn and Block.hc_pre's sum; NORM (then BLOCK_D >= D): h through RMSNorm's steps, weight nw and
-    eps out_eps, after its rounding to h's dtype. The partials are read in the shapes they are used in (pre and post
-    [SB, NP], comb's [SB, NP, NP]), SB blocks of K at a time. The streams' first BLOCK_D channels (all of them for
-    D <= BLOCK_D) are loaded before the partials, so that the two loads overlap, and the weighted sum comes before
-    the Sinkhorn, so that the stores need not wait for that loop."""
+    """Token program_id(0), from its S partials, the same steps as mhc.hc_mixes, hc_split_sinkhorn and Block.hc_pre's
+    sum. Two programs a token, which run side by side: program_id(1) 0 the sublayer's input h [D] (with NORM, then
+    BLOCK_D >= D: through RMSNorm's steps, weight nw and eps out_eps, after its rounding to h's dtype) and post [N];
+    1 comb [N, N], the Sinkhorn's 2 * iters - 1 steps in registers (as _sinkhorn_fwd, a tile of one token), which
+    had taken half of the one program's time (session 26). The streams' first BLOCK_D channels (all of them for D
+    <= BLOCK_D) are loaded before the partials, so that the two loads overlap."""
     t = tl.program_id(0).to(tl.int64)
-    i, sb, d = tl.arange(0, NP), tl.arange(0, SB), tl.arange(0, BLOCK_D)
+    i, d = tl.arange(0, NP), tl.arange(0, BLOCK_D)
     im, cm = i < N, (i[:, None] < N) & (i[None, :] < N)
     K = N * D
-    x0 = tl.load(x_ptr + t * K + i[:, None] * D + d[None, :], mask=im[:, None] & (d < D)[None, :], other=0.0)
-    pre, post = tl.zeros([NP], dtype=tl.float32), tl.zeros([NP], dtype=tl.float32)
-    c, ss = tl.zeros([NP, NP], dtype=tl.float32), tl.zeros([SB], dtype=tl.float32)
-    for s0 in range(0, S, SB):  # the split GEMM's partials, added in the same order for every token
-        s = s0 + sb
-        row = part_ptr + (s * T + t) * RP
-        sm = s < S
-        pre += tl.sum(tl.load(row[:, None] + i[None, :], mask=sm[:, None] & im[None, :], other=0.0), 0)
-        post += tl.sum(tl.load(row[:, None] + N + i[None, :], mask=sm[:, None] & im[None, :], other=0.0), 0)
-        c += tl.sum(tl.load(row[:, None, None] + 2 * N + i[None, :, None] * N + i[None, None, :],
-                            mask=sm[:, None, None] & cm[None, :, :], other=0.0), 0)
-        ss += tl.load(ss_ptr + s * T + t, mask=sm, other=0.0)
-    norm = tl.rsqrt(tl.sum(ss, 0) / (N * D) + norm_eps)
-    pre = tl.sigmoid(pre * norm * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=im, other=0.0)) + hc_eps
-    # the sublayer's input: the streams weighted by pre, summed in fp32
-    h = tl.sum(pre[:, None] * x0.to(tl.float32), 0).to(h_ptr.dtype.element_ty)
-    if NORM:
-        hf = h.to(tl.float32)
-        r = tl.rsqrt(tl.sum(hf * hf, 0) / D + out_eps)
-        h = (hf * r * tl.load(nw_ptr + d, mask=d < D, other=0.0)).to(h_ptr.dtype.element_ty)
-    tl.store(h_ptr + t * D + d, h, mask=d < D)
-    for d0 in range(BLOCK_D, D, BLOCK_D):
-        dd = d0 + d
-        xv = tl.load(x_ptr + t * K + i[:, None] * D + dd[None, :], mask=im[:, None] & (dd < D)[None, :], other=0.0)
-        tl.store(h_ptr + t * D + dd, tl.sum(pre[:, None] * xv.to(tl.float32), 0).to(h_ptr.dtype.element_ty),
-                 mask=dd < D)
-    post = 2 * tl.sigmoid(post * norm * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i, mask=im, other=0.0))
-    tl.store(post_ptr + t * N + i, post, mask=im)
-    at = 2 * N + i[:, None] * N + i[None, :]  # comb's logits, a softmax over each row (padding: -inf, then 0)
-    c = tl.where(cm, c * norm * tl.load(scale_ptr + 2) + tl.load(base_ptr + at, mask=cm, other=0.0), float("-inf"))
-    e = tl.where(cm, tl.exp(c - tl.where(im, tl.max(c, 1), 0.0)[:, None]), 0.0)
-    c = tl.where(cm, e / tl.where(im, tl.sum(e, 1), 1.0)[:, None] + hc_eps, 0.0)[None, :, :]
-    for step in tl.static_range(STEPS):  # Sinkhorn, as _sinkhorn_fwd: a tile of one token
-        c = c / (_sums(c, step) + hc_eps)
-    tl.store(comb_ptr + t * N * N + (i[:, None] * N + i[None, :])[None, :, :], c, mask=cm[None, :, :])
+    if tl.program_id(1) == 0:
+        x0 = tl.load(x_ptr + t * K + i[:, None] * D + d[None, :], mask=im[:, None] & (d < D)[None, :], other=0.0)
+        pre, ss = _hc_partials(part_ptr, ss_ptr, t, T, S, N, NP, RP, SB, 0, False)
+        post, _ = _hc_partials(part_ptr, ss_ptr, t, T, S, N, NP, RP, SB, N, False)
+        norm = tl.rsqrt(tl.sum(ss, 0) / K + norm_eps)
+        pre = tl.sigmoid(pre * norm * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=im, other=0.0)) + hc_eps
+        # the sublayer's input: the streams weighted by pre, summed in fp32
+        h = tl.sum(pre[:, None] * x0.to(tl.float32), 0).to(h_ptr.dtype.element_ty)
+        if NORM:
+            hf = h.to(tl.float32)
+            r = tl.rsqrt(tl.sum(hf * hf, 0) / D + out_eps)
+            h = (hf * r * tl.load(nw_ptr + d, mask=d < D, other=0.0)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + t * D + d, h, mask=d < D)
+        for d0 in range(BLOCK_D, D, BLOCK_D):
+            dd = d0 + d
+            xv = tl.load(x_ptr + t * K + i[:, None] * D + dd[None, :], mask=im[:, None] & (dd < D)[None, :],
+                         other=0.0)
+            tl.store(h_ptr + t * D + dd, tl.sum(pre[:, None] * xv.to(tl.float32), 0).to(h_ptr.dtype.element_ty),
+                     mask=dd < D)
+        post = 2 * tl.sigmoid(post * norm * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i, mask=im, other=0.0))
+        tl.store(post_ptr + t * N + i, post, mask=im)
+    else:
+        c, ss = _hc_partials(part_ptr, ss_ptr, t, T, S, N, NP, RP, SB, 2 * N, True)
+        norm = tl.rsqrt(tl.sum(ss, 0) / K + norm_eps)
+        at = 2 * N + i[:, None] * N + i[None, :]  # comb's logits, a softmax over each row (padding: -inf, then 0)
+        c = tl.where(cm, c * norm * tl.load(scale_ptr + 2) + tl.load(base_ptr + at, mask=cm, other=0.0),
+                     float("-inf"))
+        e = tl.where(cm, tl.exp(c - tl.where(im, tl.max(c, 1), 0.0)[:, None]), 0.0)
+        c = tl.where(cm, e / tl.where(im, tl.sum(e, 1), 1.0)[:, None] + hc_eps, 0.0)[None, :, :]
+        for step in tl.static_range(STEPS):  # Sinkhorn, as _sinkhorn_fwd
+            c = c / (_sums(c, step) + hc_eps)
+        tl.store(comb_ptr + t * N * N + (i[:, None] * N + i[None, :])[None, :, :], c, mask=cm[None, :, :])
 
 
 def hc_dot(backend):
@@ -377,10 +398,10 @@ def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     h = x.new_empty(T, D)
     norm = weight is not None
     block = triton.next_power_of_2(D) if norm else min(2048, triton.next_power_of_2(D))  # the norm: all of D at once
-    _hc_pre[(T,)](xf, part, ss, scale.contiguous(), base.contiguous(), weight.contiguous() if norm else scale, h, post,
-                  comb, T, S, D, norm_eps, hc_eps, out_eps, N=n, NP=triton.next_power_of_2(n), RP=RP,
-                  STEPS=2 * iters - 1, SB=min(64, triton.next_power_of_2(S)), BLOCK_D=block, NORM=norm,
-                  num_warps=4 if block <= 2048 else 8)
+    _hc_pre[(T, 2)](xf, part, ss, scale.contiguous(), base.contiguous(), weight.contiguous() if norm else scale, h,
+                    post, comb, T, S, D, norm_eps, hc_eps, out_eps, N=n, NP=triton.next_power_of_2(n), RP=RP,
+                    STEPS=2 * iters - 1, SB=min(64, triton.next_power_of_2(S)), BLOCK_D=block, NORM=norm,
+                    num_warps=4 if block <= 2048 else 8)
     return h.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 

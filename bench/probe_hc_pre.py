@@ -57,7 +57,7 @@ with torch.no_grad():
         post, comb = xf.new_empty(B, n, dtype=torch.float32), xf.new_empty(B, n, n, dtype=torch.float32)
         h = x.new_empty(B, D)
         for warps, steps, d in ((1, 39, D), (2, 39, D), (4, 39, D), (8, 39, D), (4, 1, D), (4, 39, 16), (4, 1, 16)):
-            run = lambda: kt._hc_pre[(B,)](xf, part, ss, scale, base, scale, h, post, comb, B, S, d, args.rms_norm_eps,
+            run = lambda: kt._hc_pre[(B, 2)](xf, part, ss, scale, base, scale, h, post, comb, B, S, d, args.rms_norm_eps,
                                            args.hc_eps, 0.0, N=n, NP=n, RP=RP, STEPS=steps, SB=64,
                                            BLOCK_D=triton.next_power_of_2(d), NORM=False, num_warps=warps)
             what = "" if (steps, d) == (39, D) else " (parts only: " + ", ".join(
