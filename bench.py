@@ -195,7 +195,7 @@ def bench_decode(ours, ref, args, device, versions):
             engine.decode(slots, prompts[:, 0], pos)
         sync(device)
         t_model.append((at, (time.perf_counter() - t0) / 20))
-    t0 = time.perf_counter()  # the prefill of the batch's prompts (eager) and its first token, part of the rest
+    t0 = time.perf_counter()  # the prefill of the batch's prompts and its first token, part of the rest
     run_ours(1)
     sync(device)
     t_prefill = time.perf_counter() - t0

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import length_multiple
 from kernels_decode import sample_triton
 from kernels_triton import has_triton
 from kv_cache import KVCache
@@ -348,9 +349,17 @@ class Engine:
         """Decode once at every bucket, on the scratch slot, before the first request: under compile='layers' the
         first batch sizes compile each kind of layer (the first with a static batch, the next again with a dynamic
         one) and a GPU captures each bucket's graph, which the first rollout paid otherwise (174 s for bench_2b on
-        an H200, session 17). Returns the seconds it took."""
+        an H200, session 17). With a compiled prefill (KVCache.pad_prefill) also two prefills there, of 2 prompts
+        padded to one length multiple and of 3 to two, after which batch and length are dynamic in every piece of
+        the compiled layers (a size first seen as 1, or only once in a piece after a graph break, would compile
+        again at the first request). Returns the seconds it took."""
         t0 = time.perf_counter()
         with self.lock:
+            if self.cache.pad_prefill:
+                with torch.no_grad(), self.model.numerics():
+                    for b, n in ((2, 1), (3, length_multiple(self.model.args) + 1)):
+                        self.cache.prefill(self.model, [self.max_batch] * b, [[0] * n] * b)
+                self.cache.reset([self.max_batch])
             for b in self.buckets:
                 rows = torch.full((b,), self.max_batch, dtype=torch.long)  # every row on the scratch slot
                 self.decode(rows, torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long))

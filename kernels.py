@@ -321,7 +321,10 @@ def compile_layers(backend="inductor", graphs=False):
     H200 with grpo._TargetLogprob, bench/probe_loss.py), KVCache.decode_layer (one decode step of a layer) and the engine's sampler
     (engine.sample_tokens) are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or learned
     router) share one compiled graph, since a module's parameters are inputs of the graph, not constants. The
-    engine's prefill stays eager but for the head (one call per admitted batch). The first call of each kind
+    engine's prefill (KVCache.prefill_layer: a layer over the admitted prompts, their length padded to a multiple of
+    length_multiple so that one graph of each kind takes every length) is compiled like the trainer's layers: eager
+    it was bound by its launches (4477 for 64 prompts of 32 tokens, 115-122 ms on an H200, session 29). The first
+    call of each kind
     compiles, minutes for bench_2b on an H200 machine. The trainer's functions (Block.forward, the head, the losses)
     take their batch and length dims as symbolic from the first call (_dynamic_batch_and_length): every GRPO step
     brings new lengths, and a first compile for the first step's exact shape would be thrown away at the second
@@ -357,6 +360,8 @@ def compile_layers(backend="inductor", graphs=False):
     grpo.grpo_loss, grpo.token_logprobs = (trainer(f) for f in (grpo.grpo_loss, grpo.token_logprobs))
     # the trainer's last stage: the head and a loss in one graph (parallel.head_loss; the two above inline into it)
     parallel.head_loss = trainer(parallel.head_loss)
+    kv_cache.KVCache.prefill_layer = trainer(kv_cache.KVCache.prefill_layer)
+    kv_cache.KVCache.pad_prefill = True
     kv_cache.KVCache.decode_layer = torch.compile(kv_cache.KVCache.decode_layer, backend=backend)
     kv_cache.KVCache.step_rope = torch.compile(kv_cache.KVCache.step_rope, backend=backend)  # the tables: a kernel
     engine.sample_tokens = torch.compile(engine.sample_tokens, backend=backend)  # the Gumbel noise: one kernel

@@ -16,11 +16,18 @@ CUDA graph.
 """
 import torch
 
-from kernels import fused_projections
+from kernels import fused_projections, length_multiple
 from kernels_attention import decode_attention_triton
 from kernels_decode import compress_step_triton, window_kv_triton
 from kernels_triton import has_triton
 from model_dsv4 import rope_cos_sin, sink_attention, top_k_mask
+
+
+def compressors(attn):
+    """A layer's compressors as the cache names them: ("comp", the attention's) and ("idx", its indexer's), those
+    it has."""
+    pairs = (("comp", attn.compressor), ("idx", attn.indexer.compressor if attn.indexer else None))
+    return [(name, comp) for name, comp in pairs if comp is not None]
 
 
 class KVCache:
@@ -35,9 +42,7 @@ class KVCache:
             attn, c = layer.attn, {}
             c["win"] = torch.zeros(max_batch, a.sliding_window, a.head_dim, dtype=dt, device=device)
             c["win_pos"] = torch.full((max_batch, a.sliding_window), -1, dtype=torch.long, device=device)
-            for name, comp in (("comp", attn.compressor), ("idx", attn.indexer.compressor if attn.indexer else None)):
-                if comp is None:
-                    continue
+            for name, comp in compressors(attn):
                 m, d, coff = comp.ratio, comp.head_dim, 2 if comp.overlap else 1
                 c[name] = torch.zeros(max_batch, max_len // m + 1, d, dtype=dt, device=device)  # entries
                 c[name + "_kv"] = torch.zeros(max_batch, m, coff * d, device=device)  # partial window, fp32
@@ -66,26 +71,36 @@ class KVCache:
 
     def prefill(self, model, slots, prompts):
         """prompts: token lists, right-padded into one batch (causal: the pads never reach the real tokens)
-        -> fp32 logits [B, vocab] at each prompt's last position; fills each slot's cache from position 0."""
-        a = self.args
+        -> fp32 logits [B, vocab] at each prompt's last position; fills each slot's cache from position 0. With
+        pad_prefill (compiled layers) the batch's length is padded up to a multiple of kernels.length_multiple, so
+        that every length runs one compiled graph of each kind of layer."""
         lengths = [len(p) for p in prompts]
-        ids = torch.tensor([p + [0] * (max(lengths) - len(p)) for p in prompts], device=self.device)
+        T = max(lengths)
+        if self.pad_prefill:
+            T = -(-T // length_multiple(self.args)) * length_multiple(self.args)
+        ids = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=self.device)
         x = model.embed_streams(ids)
-        pos = torch.arange(ids.shape[1], device=self.device)
         slot_t, L = torch.tensor(slots, device=self.device), torch.tensor(lengths, device=self.device)
         for layer, c in zip(model.layers.values(), self.layers):
-            h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
-            attn = layer.attn
-            # what decode needs from the prompt: the last window of KV, compressed entries, partial windows
-            cos, sin = rope_cos_sin(a, attn.ratio, pos)
-            kv = attn.window_kv(h, cos, sin)
-            comps = [(n, cp, cp(h, a), *cp.project(h)) for n, cp in (("comp", attn.compressor),
-                     ("idx", attn.indexer.compressor if attn.indexer else None)) if cp is not None]
-            self._fill(c, slot_t, L, kv, comps)
-            x = layer.hc_post(attn(h), x, post, comb)
-            h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)
-            x = layer.hc_post(layer.ffn(h, ids), x, post, comb)
+            x, kv, comps = self.prefill_layer(layer, x, ids)
+            self._fill(c, slot_t, L, kv, [(n, cp, *t) for (n, cp), t in zip(compressors(layer.attn), comps)])
         return model.logits(x[torch.arange(len(prompts), device=self.device), L - 1][:, None])[:, 0]
+
+    pad_prefill = False  # kernels.compile_layers sets it
+
+    def prefill_layer(self, layer, x, ids):
+        # one Block.forward over the batch's prompts x [B, T, n, D] (ids [B, T]), and what decode needs from them:
+        # the window's keys kv [B, T, d] and, for each compressor of compressors(attn), (its entries, its kv and
+        # score rows). kernels.compile_layers compiles this (dynamic batch and length: layers of one kind share it)
+        a = self.args
+        h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
+        attn = layer.attn
+        cos, sin = rope_cos_sin(a, attn.ratio, torch.arange(x.shape[1], device=x.device))
+        kv = attn.window_kv(h, cos, sin)
+        comps = [(cp(h, a), *cp.project(h)) for _, cp in compressors(attn)]
+        x = layer.hc_post(attn(h), x, post, comb)
+        h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)
+        return layer.hc_post(layer.ffn(h, ids), x, post, comb), kv, comps
 
     def _fill(self, c, slots, L, kv, comps):
         """Write a prefilled batch into cache rows slots (int64 [B]), prompt b being L[b] tokens of the right-padded
@@ -103,7 +118,8 @@ class KVCache:
         for name, comp, entries, ckv, score in comps:
             m, d = comp.ratio, comp.head_dim
             n = L // m  # complete windows: entries 0 .. n - 1, the partial window from position n * m
-            c[name][slots, :entries.shape[1]] = entries
+            k = min(entries.shape[1], c[name].shape[1])  # a padded batch (pad_prefill) may run past the cache
+            c[name][slots, :k] = entries[:, :k]
             rows = (n[:, None] * m + torch.arange(m, device=L.device)).clamp(max=T - 1)  # [B, m]
             c[name + "_kv"][slots], c[name + "_score"][slots] = ckv[b, rows], score[b, rows]
             if comp.overlap:  # the last complete window's first-half rows, position bias added

@@ -2,7 +2,8 @@
 batch bench.py's decode admits; 109-157 ms a call in session 28 on an H200, eager). Two warm calls timed, then one
 under torch.profiler: the wall time against the device's kernel time, the host's waits on the device (synchronising
 calls and device-to-host copies), the ops with the most host time and the kernels with the most device time.
-python bench/probe_prefill.py [--model config/models/bench_2b.json] [--batch 64] [--seq 32]   (a GPU; a CPU runs tiny)"""
+python bench/probe_prefill.py [--model config/models/bench_2b.json] [--batch 64] [--seq 32] [--compile]   (a GPU; a CPU
+runs tiny)"""
 import argparse
 import os
 import sys
@@ -20,6 +21,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--model", default="config/models/bench_2b.json" if cuda else "config/models/tiny.json")
 p.add_argument("--batch", type=int, default=64)
 p.add_argument("--seq", type=int, default=32)
+p.add_argument("--compile", action="store_true", help="also compile_layers' prefill, timed after the eager one")
 cli = p.parse_args()
 dev = torch.device("cuda" if cuda else "cpu")
 args = ModelArgs.from_json(cli.model)
@@ -46,6 +48,16 @@ for i in range(3):
     t0 = time.perf_counter()
     run()
     print(f"prefill {cli.batch} x {cli.seq} tokens, call {i + 1}: {(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
+if cli.compile:  # session 30: KVCache.prefill_layer compiled (kernels.compile_layers; the length padded to 128)
+    import kernels
+    eager = run()
+    kernels.compile_layers(backend="inductor" if cuda else "aot_eager")
+    for i in range(3):
+        t0 = time.perf_counter()
+        got = run()
+        print(f"compiled, call {i + 1}: {(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
+    err = ((got - eager).abs().max() / eager.abs().max()).item()
+    print(f"compiled against eager: max |Δ logits| / max |logits| {err:.1e}; the profile below is the compiled one")
 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 with profile(activities=acts) as prof:
     t0 = time.perf_counter()

@@ -67,7 +67,8 @@ def compile_layers():
     import model_dsv4
     import parallel
     saved = (model_dsv4.Block.forward, model_dsv4.Transformer.logits, kv_cache.KVCache.decode_layer,
-             kv_cache.KVCache.step_rope, engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss)
+             kv_cache.KVCache.step_rope, kv_cache.KVCache.prefill_layer, kv_cache.KVCache.pad_prefill,
+             engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss)
 
     def on(graphs=False):
         torch._dynamo.reset()
@@ -75,7 +76,8 @@ def compile_layers():
         return torch._dynamo.utils.counters
     yield on
     (model_dsv4.Block.forward, model_dsv4.Transformer.logits, kv_cache.KVCache.decode_layer,
-     kv_cache.KVCache.step_rope, engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss) = saved
+     kv_cache.KVCache.step_rope, kv_cache.KVCache.prefill_layer, kv_cache.KVCache.pad_prefill,
+     engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss) = saved
     torch._dynamo.reset()
 
 

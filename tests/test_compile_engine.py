@@ -102,9 +102,10 @@ def test_startup_refusals(cmd, expect):
 
 
 def test_engine_warm_up_compiles_every_batch_size_first(compile_layers):
-    """Engine.warm_up (rollout.py --serve --compile layers, before the ready line) decodes once at every batch
-    bucket on the scratch slot: the compiles of the decode step happen there (the first bucket with a static batch,
-    the next with a dynamic one), and decodes at other batch sizes afterwards compile nothing."""
+    """Engine.warm_up (rollout.py --serve --compile layers, before the ready line) prefills twice and decodes once
+    at every batch bucket on the scratch slot: the compiles of the prefill and the decode step happen there (the
+    first decode bucket with a static batch, the next with a dynamic one), and decodes at other batch sizes and a
+    prefill of another batch size afterwards compile nothing."""
     from dataclasses import replace
     from engine import Engine
     args = replace(SMALL, num_hidden_layers=2, compress_ratios=[0, 4, 0], num_nextn_predict_layers=1)
@@ -118,4 +119,44 @@ def test_engine_warm_up_compiles_every_batch_size_first(compile_layers):
     assert graphs >= 4  # two kinds of layer and the head, each again once the batch size moved
     for b in (3, 5, 8):
         engine.decode(torch.arange(b), torch.randint(2, args.vocab_size, (b,)), torch.full((b,), 7))
+    with torch.no_grad():  # and the compiled prefill: 4 prompts up to 60 tokens, padded to 128
+        engine.prefill([0, 1, 2, 3], [[5] * n for n in (3, 60, 17, 40)])
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_prefill_equals_eager_and_stops_compiling(compile_layers):
+    """The engine's compiled prefill (KVCache.prefill_layer under compile_layers, its prompts padded to a multiple of
+    kernels.length_multiple: 128 here) against the eager one: SMALL's window, CSA and HCA layers, fp32, prompts of
+    5, 19 and 40 tokens (padded to 128), then 4 decode steps from the caches it filled. The last-position logits of
+    the prefill and every decode step's logits to 1e-5 of the largest: the padding reaches nothing that is read.
+    Then prefills of 2 prompts of 130 and 200 tokens (padded to 256) and of 4 of 10-300 (384): the second may
+    compile again once (a size that was 1 or the batch of a graph's piece after a break becomes dynamic), the third
+    compiles nothing: the lengths fall in one class of the compiled layers' guards."""
+    from dataclasses import replace
+    from kv_cache import KVCache
+    args = replace(SMALL, num_hidden_layers=3, compress_ratios=[0, 4, 128, 0], num_nextn_predict_layers=1)
+    dev = "cuda" if CUDA else "cpu"
+    model = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,
+                       args.num_experts_per_tok, seed=4).to(dev)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, args.vocab_size, (n,), generator=g).tolist() for n in (5, 19, 40)]
+    tokens = torch.randint(2, args.vocab_size, (4, 3), generator=g).to(dev)
+    slots, L = torch.tensor([2, 0, 1], device=dev), torch.tensor([5, 19, 40], device=dev)
+
+    def run():
+        cache = KVCache(model, 4, 400, dev)
+        with torch.no_grad():
+            out = [cache.prefill(model, slots.tolist(), prompts)]
+            out += [cache.decode(model, slots, tokens[i], L + i) for i in range(4)]
+        return cache, out
+    _, eager = run()
+    counters = compile_layers()
+    cache, compiled = run()
+    for e, c in zip(eager, compiled):
+        assert (e - c).abs().max() <= 1e-5 * e.abs().max(), ((e - c).abs().max(), e.abs().max())
+    with torch.no_grad():
+        cache.prefill(model, [3, 1], [torch.randint(2, args.vocab_size, (n,), generator=g).tolist() for n in (130, 200)])
+        graphs = counters["stats"]["unique_graphs"]
+        cache.prefill(model, [0, 1, 2, 3],
+                      [torch.randint(2, args.vocab_size, (n,), generator=g).tolist() for n in (270, 300, 10, 140)])
     assert counters["stats"]["unique_graphs"] == graphs
