@@ -324,8 +324,7 @@ def compile_layers(backend="inductor", graphs=False):
     engine's prefill (KVCache.prefill_layer: a layer over the admitted prompts, their length padded to a multiple of
     length_multiple so that one graph of each kind takes every length) is compiled like the trainer's layers: eager
     it was bound by its launches (4477 for 64 prompts of 32 tokens, 115-122 ms on an H200, session 29). The first
-    call of each kind
-    compiles, minutes for bench_2b on an H200 machine. The trainer's functions (Block.forward, the head, the losses)
+    call of each kind compiles, minutes for bench_2b on an H200 machine. The trainer's functions (Block.forward, the head, the losses)
     take their batch and length dims as symbolic from the first call (_dynamic_batch_and_length): every GRPO step
     brings new lengths, and a first compile for the first step's exact shape would be thrown away at the second
     (a full compile of every kind of layer again: 207 s for bench_2b's GRPO step on an H200, session 18). The

@@ -34,6 +34,8 @@ class KVCache:
     """Fixed-size buffers for max_batch sequence slots (see the module docstring), and the model's prefill and decode
     through them. static: decode reads every compressed entry, masked (fixed shapes, for CUDA graphs and compiled
     code); else only up to the longest sequence's."""
+    pad_prefill = False  # kernels.compile_layers sets it: prefill pads its batch's length to a multiple of length_multiple
+
     def __init__(self, model, max_batch, max_len, device, static=False):
         a, dt = model.args, model.dtype
         self.args, self.device, self.static = a, device, static
@@ -75,9 +77,8 @@ class KVCache:
         pad_prefill (compiled layers) the batch's length is padded up to a multiple of kernels.length_multiple, so
         that every length runs one compiled graph of each kind of layer."""
         lengths = [len(p) for p in prompts]
-        T = max(lengths)
-        if self.pad_prefill:
-            T = -(-T // length_multiple(self.args)) * length_multiple(self.args)
+        m = length_multiple(self.args) if self.pad_prefill else 1
+        T = -(-max(lengths) // m) * m
         ids = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=self.device)
         x = model.embed_streams(ids)
         slot_t, L = torch.tensor(slots, device=self.device), torch.tensor(lengths, device=self.device)
@@ -85,8 +86,6 @@ class KVCache:
             x, kv, comps = self.prefill_layer(layer, x, ids)
             self._fill(c, slot_t, L, kv, [(n, cp, *t) for (n, cp), t in zip(compressors(layer.attn), comps)])
         return model.logits(x[torch.arange(len(prompts), device=self.device), L - 1][:, None])[:, 0]
-
-    pad_prefill = False  # kernels.compile_layers sets it
 
     def prefill_layer(self, layer, x, ids):
         # one Block.forward over the batch's prompts x [B, T, n, D] (ids [B, T]), and what decode needs from them:
