@@ -302,6 +302,7 @@ class Engine:
                 self._finish(req, {"type": "length", "length": len(req.output_ids)})
 
     # ------------------------------------------------------------------ the model, with the cache
+    @torch.no_grad()
     def prefill(self, slots, prompts):
         """prompts: token lists -> fp32 logits [B, vocab] at each prompt's last position, each slot's cache filled."""
         return self.cache.prefill(self.model, slots, prompts)
@@ -322,6 +323,7 @@ class Engine:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
+    @torch.no_grad()
     def decode(self, slots, tokens, pos):
         """One token per sequence. slots, tokens, pos: int64 [B] (on any device) -> fp32 logits [B, vocab].
         On a GPU this replays a CUDA graph of _decode captured for the smallest batch bucket >= B (the padding
@@ -354,11 +356,10 @@ class Engine:
         the compiled layers (a size first seen as 1, or only once in a piece after a graph break, would compile
         again at the first request). Returns the seconds it took."""
         t0 = time.perf_counter()
-        with self.lock:
+        with self.lock, torch.no_grad(), self.model.numerics():  # graphs compiled with autograd would fail (mm_f32)
             if self.cache.pad_prefill:
-                with torch.no_grad(), self.model.numerics():
-                    for b, n in ((2, 1), (3, length_multiple(self.model.args) + 1)):
-                        self.cache.prefill(self.model, [self.max_batch] * b, [[0] * n] * b)
+                for b, n in ((2, 1), (3, length_multiple(self.model.args) + 1)):
+                    self.prefill([self.max_batch] * b, [[0] * n] * b)
                 self.cache.reset([self.max_batch])
             for b in self.buckets:
                 rows = torch.full((b,), self.max_batch, dtype=torch.long)  # every row on the scratch slot

@@ -239,9 +239,12 @@ def fused_projections(module, x):
     return {n: o if n in module.FP32 else o.to(x.dtype) for n, o in zip(names, outs)}
 
 
-def grouped_experts(experts, xs, ws, counts, limit, stacked=None, shared=None):
+def grouped_experts(experts, xs, ws, counts, limit, stacked=None, shared=None, decode=False):
     """xs [R, D] rows sorted by local expert, ws [R] fp32 routing weights, counts [e] rows per expert (a tensor:
     no host sync) -> [R, D]. Same math as Expert.forward: clamped SwiGLU, routing weight before w2.
+    decode: the rows are a decode step's (one token a sequence), which the Triton kernels take when they are few an
+    expert. Never a prefill's: a branch on its row count would make the compiled prefill compile again for the
+    other side of it (two more graphs at a small first request after Engine.warm_up, on the H200 in session 31).
     The weights: `stacked` (stack_experts_) while the parameters are still its views (a deepcopy or a dtype cast
     breaks that), read in place; else stacked here (the checkpoint keeps a tensor per expert).
     shared: (x [N, D], the shared Expert) -> (the routed rows' [R, D], the shared expert's output [N, D] where the
@@ -251,7 +254,7 @@ def grouped_experts(experts, xs, ws, counts, limit, stacked=None, shared=None):
         stacked = stack(experts)
     w13, w2 = stacked
     offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
-    if has_triton(xs) and not torch.is_grad_enabled() and xs.shape[0] <= EXPERT_ROWS * len(experts):  # decode
+    if decode and has_triton(xs) and not torch.is_grad_enabled() and xs.shape[0] <= EXPERT_ROWS * len(experts):
         if shared is None:
             return experts_triton(xs, ws, offs, w13, w2, float(limit or 0))
         x, e = shared  # the shared expert as one more expert of the kernels (its SwiGLU clamp is the routed ones')

@@ -31,7 +31,8 @@ from kernels_triton import INTERPRETED, _dot, _jit, tl, triton
 # them BLOCK_M at a time: the up kernel the gate and up rows of w13 with the clamped SwiGLU and the routing weight
 # (h, in the rows' dtype), the down kernel h times w2. 80-99 us at 64 and 256 tokens against aten's 139 and 146
 # (bench/probe_moe_decode.py, RESULTS.md session 24). An expert with no rows reads nothing. For many rows an expert
-# (prefill, training) aten's tiles are the better choice: grouped_experts picks by rows an expert (EXPERT_ROWS).
+# (prefill, training) aten's tiles are the better choice: grouped_experts takes these for decode steps only, up to
+# EXPERT_ROWS rows an expert.
 # The shared expert rides along as one more expert (program E), its rows the tokens themselves: in a bench_2b decode
 # step it was a GEMM of its own for w2, the SwiGLU and the sum with the routed experts' (w1 and w3 fused into the
 # router's GEMM), 3-4 kernels a layer at 1.6-3.6 us each, where here it adds 3 MB to the 302 MB the kernels read.
@@ -115,7 +116,7 @@ def _experts_down(h_ptr, w2_ptr, offs_ptr, out_ptr, s2_ptr, D, I, R, NT, SB, F32
                  mask=rm[:, None] & nm[None, :])
 
 
-EXPERT_ROWS = 32  # grouped_experts takes these kernels up to this many rows an expert on average
+EXPERT_ROWS = 32  # grouped_experts takes these kernels for a decode step up to this many rows an expert on average
 EXPERTS_BLOCK_N, EXPERTS_BLOCK_K = 64, 128
 
 

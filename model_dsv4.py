@@ -654,17 +654,17 @@ class MoE(nn.Module):
                                       for e in range(first, first + self.n_local)})
         self.shared_experts = Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
 
-    def run_experts(self, xs, ws, counts, x=None):
+    def run_experts(self, xs, ws, counts, x=None, decode=False):
         """Each local expert on its contiguous slice of rows. xs: [R, D], ws: [R] -> ([R, D], None); x [N, D], this
         rank's tokens: the shared expert's output [N, D] in place of None where the decode kernels computed it with
-        the routed experts (kernels.grouped_experts), one weight-bound pass for all, where it was a GEMM, the SwiGLU
-        and another GEMM after them."""
+        the routed experts (kernels.grouped_experts, for a decode step's rows), one weight-bound pass for all, where it
+        was a GEMM, the SwiGLU and another GEMM after them."""
         # grouped GEMM: bf16 on CUDA (any dtype on the CPU); FP8 emulation has its sims in Expert only
         if self.fast and (xs.dtype == torch.bfloat16 or not xs.is_cuda) and not self.shared_experts.w1.fp8_emu:
             counts = counts if torch.is_tensor(counts) else torch.tensor(counts, device=xs.device)
             shared = None if x is None or self.shared_experts.w1.weight.dtype != xs.dtype else (x, self.shared_experts)
             out = grouped_experts(list(self.experts.values()), xs, ws, counts, self.args.swiglu_limit, self.stacked,
-                                  shared)
+                                  shared, decode)
             return out if shared is not None else (out, None)
         return self.loop_experts(xs, ws, counts), None
 
@@ -687,8 +687,9 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, idx = self.gate(x, ids.reshape(-1), fast=self.fast)
-        xs, ws, counts, ctx = dispatch(x, weights, idx, self.n_local, self.ep_group, shape[1] == 1, self.fast)
-        ys, shared = self.run_experts(xs, ws, counts, x)
+        decode = shape[1] == 1
+        xs, ws, counts, ctx = dispatch(x, weights, idx, self.n_local, self.ep_group, decode, self.fast)
+        ys, shared = self.run_experts(xs, ws, counts, x, decode)
         y = combine(ys, ctx, x.shape[0], idx.shape[1], self.ep_group)
         if shared is None:  # not computed with the routed experts
             shared = self.shared_experts(x)

@@ -116,21 +116,24 @@ def test_compress_step_triton_equals_compressor_step(ratio, d, dtype):
 
 
 def test_model_without_grad_on_triton_experts_equals_reference(monkeypatch):
-    """A forward without grad (the engine's prefill and decode) takes the experts' kernels through
-    kernels.grouped_experts (with few rows an expert): four of TINY's layers on 2 sequences of 10 tokens against the
+    """A decode step's MoE (one token a sequence, without grad) takes the experts' kernels through
+    kernels.grouped_experts (with few rows an expert): four of TINY's layers on 20 sequences of 1 token against the
     same model on aten's grouped GEMM, fp32 to 1e-5 of the largest logit (on a GPU bf16, which aten's grouped GEMM
-    needs there, to 2e-2); each layer's MoE called the kernels once."""
+    needs there, to 2e-2); each layer's MoE called the kernels once. A prefill's rows (2 sequences of 10 tokens, as
+    few an expert) never do: a branch on their count made the compiled prefill compile again after the warm-up."""
     calls, dtype = [], torch.bfloat16 if DEV == "cuda" else torch.float32
     monkeypatch.setattr(kernels, "has_triton", lambda t: True)
     monkeypatch.setattr(kernels, "experts_triton", lambda *a: calls.append(1) or experts_triton(*a))
     model = randomize_(Transformer(copy.deepcopy(FOUR), dtype=dtype), FOUR.n_routed_experts,
                        FOUR.num_experts_per_tok, seed=6).to(DEV).set_kernels(True)
-    ids = torch.randint(0, FOUR.vocab_size, (2, 10), generator=torch.Generator().manual_seed(7)).to(DEV)
+    ids = torch.randint(0, FOUR.vocab_size, (20, 1), generator=torch.Generator().manual_seed(7)).to(DEV)
     with torch.no_grad():
         fast = model(ids)
+        assert len(calls) == FOUR.num_hidden_layers
+        model(ids.view(2, 10))
+        assert len(calls) == FOUR.num_hidden_layers
         monkeypatch.setattr(kernels, "has_triton", lambda t: False)
         ref = model(ids)
-    assert len(calls) == FOUR.num_hidden_layers
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (fast - ref).abs().max() <= tol * ref.abs().max(), ((fast - ref).abs().max(), ref.abs().max())
 
