@@ -38,9 +38,9 @@ p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--bucket_mb", type=float, default=512, help="sync: bucket size (distributed, tensor transports)")
 p.add_argument("--tmp", default=None, help="sync: directory for the disk transport (default: the system's temp dir)")
 p.add_argument("--kernels", default="auto", choices=["auto", "fast", "reference"],
-               help="kernels.py's fast paths (auto: on a GPU) or the plain reference")
+               help="kernels_torch.py's fast paths (auto: on a GPU) or the plain reference")
 p.add_argument("--compile", default="off", choices=["off", "hot", "layers", "graphs"],
-               help="kernels.compile_hot_paths() (hot) or kernels.compile_layers() (layers; graphs: with CUDA graphs of "
+               help="kernels_torch.compile_hot_paths() (hot) or kernels_torch.compile_layers() (layers; graphs: with CUDA graphs of "
                     "each layer's forward and backward, GPU only) before building the models")
 p.add_argument("--invariant", action="store_true", help="mismatch: both sides path-invariant (model.set_invariant)")
 p.add_argument("--profile", action="store_true", help="train, decode: print the top CUDA/CPU ops of ours (one training "
@@ -408,7 +408,7 @@ if __name__ == "__main__":
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cli.dtype)
     args = ModelArgs.from_json(cli.model)
-    __import__("kernels").use_compile(cli.compile)
+    __import__("kernels_torch").use_compile(cli.compile)
     if cli.layers:
         n, args.num_hidden_layers = args.num_hidden_layers, cli.layers
         args.compress_ratios = args.compress_ratios[:cli.layers] + args.compress_ratios[n:]  # MTP's entries stay

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import length_multiple
+from kernels_torch import length_multiple
 from kernels_decode import sample_triton
 from kernels_triton import has_triton
 from kv_cache import KVCache
@@ -67,7 +67,7 @@ def gumbel(seeds, counters, V):
 
 
 def sample_tokens(logits, params, draws, filtered):
-    """The device side of Engine._sample (kernels.compile_layers compiles it). logits fp32 [B, V]; params fp64
+    """The device side of Engine._sample (kernels_torch.compile_layers compiles it). logits fp32 [B, V]; params fp64
     [B, 3]: temperature, top_p, top_k (V: off); draws int64 [B, 2]: seed, token index; filtered: some row has
     top-p or top-k -> fp64 [2, B]: the tokens and their logprobs."""
     V = logits.shape[1]

@@ -2,7 +2,7 @@
 The engine's decode-step kernels, each beside the plain reference it replaces (tests/test_decode_kernels.py checks that
 the two agree, alone and in the engine; tests/test_kernel_builds.py compiles them for sm_90 and gfx950):
 
-  - experts_triton: a decode step's routed experts (kernels.grouped_experts with few rows an expert) as two kernels,
+  - experts_triton: a decode step's routed experts (kernels_torch.grouped_experts with few rows an expert) as two kernels,
     the up projection with the SwiGLU and the down projection.
   - compress_step_triton: a decode step's whole compressor step (kv_cache.KVCache._compressor_step: the row's
     write, the pooling, Compressor.finish's norm and RoPE, the entry's write, the overlap's roll).
@@ -26,7 +26,7 @@ from kernels_triton import INTERPRETED, _dot, _jit, tl, triton
 
 # ----------------------------------------------------------------------------- a decode step's routed experts
 # A decode step's experts are bound by reading their weights: 64 tokens x top-6 of bench_2b's 64 experts hit every
-# expert with 1-10 rows, 302 MB a layer, which aten's grouped GEMM (kernels.grouped_experts) read at 2.2 TB/s in
+# expert with 1-10 rows, 302 MB a layer, which aten's grouped GEMM (kernels_torch.grouped_experts) read at 2.2 TB/s in
 # 139 us. Here a program takes one expert and a block of BLOCK_N output columns, and runs the expert's rows past
 # them BLOCK_M at a time: the up kernel the gate and up rows of w13 with the clamped SwiGLU and the routing weight
 # (h, in the rows' dtype), the down kernel h times w2. 80-99 us at 64 and 256 tokens against aten's 139 and 146
@@ -124,7 +124,7 @@ EXPERTS_BLOCK_N, EXPERTS_BLOCK_K = 64, 128
 def experts_triton(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    limit: float, x: Optional[torch.Tensor] = None, s1: Optional[torch.Tensor] = None,
                    s3: Optional[torch.Tensor] = None, s2: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """kernels.grouped_experts' math: xs [R, D] rows sorted by expert (bf16, or fp32 for the tests), ws [R] fp32
+    """kernels_torch.grouped_experts' math: xs [R, D] rows sorted by expert (bf16, or fp32 for the tests), ws [R] fp32
     routing weights, offs [e] int32 each expert's end row, w13 [e, 2I, D], w2 [e, D, I] (contiguous, xs' dtype),
     limit the SwiGLU clamp (0: none) -> [R, D]. With x [N, D] and the shared expert's w1, w3 [I, D] and w2 [D, I]
     (s1, s3, s2): that expert too, as one more expert whose rows are x's (Expert.forward without a routing weight)

@@ -16,7 +16,7 @@ CUDA graph.
 """
 import torch
 
-from kernels import fused_projections, length_multiple
+from kernels_torch import fused_projections, length_multiple
 from kernels_attention import decode_attention_triton
 from kernels_decode import compress_step_triton, window_kv_triton
 from kernels_triton import has_triton
@@ -34,7 +34,7 @@ class KVCache:
     """Fixed-size buffers for max_batch sequence slots (see the module docstring), and the model's prefill and decode
     through them. static: decode reads every compressed entry, masked (fixed shapes, for CUDA graphs and compiled
     code); else only up to the longest sequence's."""
-    pad_prefill = False  # kernels.compile_layers sets it: prefill pads its batch's length to a multiple of length_multiple
+    pad_prefill = False  # kernels_torch.compile_layers sets it: prefill pads its batch's length to a multiple of length_multiple
 
     def __init__(self, model, max_batch, max_len, device, static=False):
         a, dt = model.args, model.dtype
@@ -74,7 +74,7 @@ class KVCache:
     def prefill(self, model, slots, prompts):
         """prompts: token lists, right-padded into one batch (causal: the pads never reach the real tokens)
         -> fp32 logits [B, vocab] at each prompt's last position; fills each slot's cache from position 0. With
-        pad_prefill (compiled layers) the batch's length is padded up to a multiple of kernels.length_multiple, so
+        pad_prefill (compiled layers) the batch's length is padded up to a multiple of kernels_torch.length_multiple, so
         that every length runs one compiled graph of each kind of layer."""
         lengths = [len(p) for p in prompts]
         m = length_multiple(self.args) if self.pad_prefill else 1
@@ -90,7 +90,7 @@ class KVCache:
     def prefill_layer(self, layer, x, ids):
         # one Block.forward over the batch's prompts x [B, T, n, D] (ids [B, T]), and what decode needs from them:
         # the window's keys kv [B, T, d] and, for each compressor of compressors(attn), (its entries, its kv and
-        # score rows). kernels.compile_layers compiles this (dynamic batch and length: layers of one kind share it)
+        # score rows). kernels_torch.compile_layers compiles this (dynamic batch and length: layers of one kind share it)
         a = self.args
         h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
         attn = layer.attn
@@ -137,7 +137,7 @@ class KVCache:
         return model.logits(x)[:, 0]
 
     def step_rope(self, model, pos):
-        """The step's RoPE angles, once for all layers (each layer's took ~4 small kernels; kernels.compile_layers
+        """The step's RoPE angles, once for all layers (each layer's took ~4 small kernels; kernels_torch.compile_layers
         compiles this too): cos/sin [B, 1, rd/2] at each sequence's position for the layers of each base (key
         ("pos", ratio > 0)), and at the first position of the window that ends there for each compress ratio m
         (key ("start", m)), where the compressors' entries are rotated."""
@@ -147,7 +147,7 @@ class KVCache:
 
     def decode_layer(self, layer, c, x, slots, tokens, pos, rope):
         # one Block.forward for one token per sequence, reading and writing the layer's cache c; rope: step_rope's
-        # (kernels.compile_layers compiles this: layers of one kind share the compiled code)
+        # (kernels_torch.compile_layers compiles this: layers of one kind share the compiled code)
         h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
         x = layer.hc_post(self._attn_decode(layer.attn, h, c, slots, pos, rope), x, post, comb)
         h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)

@@ -5,13 +5,13 @@ weights come from the streams themselves (fn's rows over an RMSNorm of all n * D
 and the streams' mix of each other is made doubly stochastic by Sinkhorn's alternating normalisation, so the
 residual neither grows nor shrinks. The last layer's streams collapse into one for the head (hc_head).
 
-The fast paths: kernels.hc_mixes_bf16 (the mixes on bf16 tensor cores) and kernels_triton.sinkhorn_triton (the
+The fast paths: kernels_torch.hc_mixes_bf16 (the mixes on bf16 tensor cores) and kernels_triton.sinkhorn_triton (the
 loop in one kernel); tests/test_model.py and tests/test_triton.py check them against these references.
 """
 import torch
 import torch.nn.functional as F
 
-from kernels import hc_mixes_bf16
+from kernels_torch import hc_mixes_bf16
 from kernels_triton import has_triton, sinkhorn_triton
 
 
@@ -65,7 +65,7 @@ def sinkhorn_entries(comb, iters, eps):
 
 def hc_mixes(x, fn, norm_eps, fast=False):
     # x: [B, T, n, D] -> fp32 [B, T, rows of fn]; an unweighted RMSNorm over all n*D values, then fn
-    if fast and x.dtype == torch.bfloat16:  # kernels.py: the same on tensor cores, fn in three bf16 parts
+    if fast and x.dtype == torch.bfloat16:  # kernels_torch.py: the same on tensor cores, fn in three bf16 parts
         return hc_mixes_bf16(x.flatten(2), fn, norm_eps)
     xf = x.flatten(2).float()
     return F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 import torch.nn.functional as F
-from kernels import (PathInvariant, fuse_rows_, grouped_experts, is_fused, is_stacked, linear_f32, matmul_f32,
+from kernels_torch import (PathInvariant, fuse_rows_, grouped_experts, is_fused, is_stacked, linear_f32, matmul_f32,
                      stack_experts_, window_attention)
 from kernels_triton import HC_PRE_TOKENS, has_triton, hc_post_triton, hc_pre_triton
 from kernels_decode import q_norm_rope_triton
@@ -383,7 +383,7 @@ class Attention(nn.Module):
         self.indexer = Indexer(args) if self.ratio == 4 else None
 
     def fused_names(self):
-        """The projections of the attention's input, in the order of the fused tensor (kernels.fused_projections)."""
+        """The projections of the attention's input, in the order of the fused tensor (kernels_torch.fused_projections)."""
         comp = ["compressor.wkv", "compressor.wgate"] if self.compressor is not None else []
         index = ["indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.weights_proj"] if self.indexer else []
         return ["wq_a", "wkv"] + comp + index
@@ -396,7 +396,7 @@ class Attention(nn.Module):
 
     def query(self, x, cos, sin, qa=None):
         # x: [B, T, D] -> q [B, T, H, d] (unweighted per-head RMSNorm, RoPE on the last rd dims), qr [B, T, q_lora];
-        # qa: wq_a(x) if computed already (kernels.fused_projections), as kv in window_kv
+        # qa: wq_a(x) if computed already (kernels_torch.fused_projections), as kv in window_kv
         B, T, _ = x.shape
         qr = self.q_norm(self.wq_a(x) if qa is None else qa)
         q = self.wq_b(qr).view(B, T, self.n_heads, self.head_dim)
@@ -433,7 +433,7 @@ class Attention(nn.Module):
             # entry s covers tokens up to s*ratio + ratio - 1, so query t sees s < (t + 1) // ratio
             visible = torch.arange(S, device=x.device)[None, :] < ((pos + 1) // self.ratio)[:, None]  # [T, S]
             cmask = self.indexer(x, qr, self.args, visible) if self.indexer is not None else visible[None]
-        if self.fast:  # kernels.py: the same softmax by blocks of `sliding_window` queries
+        if self.fast:  # kernels_torch.py: the same softmax by blocks of `sliding_window` queries
             o = window_attention(q, kv, ckv, cmask, self.attn_sink, self.softmax_scale, self.args.sliding_window)
             return self.output(o, cos, sin)
         # window: key j visible from query t iff t - window < j <= t
@@ -640,7 +640,7 @@ class MoE(nn.Module):
     """Routed experts + one shared expert. Every V4 layer is MoE; there are no dense FFN layers.
     With an EP group, this rank holds experts [ep_rank * n_local, (ep_rank + 1) * n_local); the router
     and the shared expert are replicated. Expert names keep their global index (experts.{e})."""
-    fast = False  # set by Transformer.set_kernels: grouped GEMM experts (kernels.py)
+    fast = False  # set by Transformer.set_kernels: grouped GEMM experts (kernels_torch.py)
     stacked = None  # the local experts' weights in two stacks, the parameters views of them: Transformer.stack_experts
     def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
@@ -657,7 +657,7 @@ class MoE(nn.Module):
     def run_experts(self, xs, ws, counts, x=None, decode=False):
         """Each local expert on its contiguous slice of rows. xs: [R, D], ws: [R] -> ([R, D], None); x [N, D], this
         rank's tokens: the shared expert's output [N, D] in place of None where the decode kernels computed it with
-        the routed experts (kernels.grouped_experts, for a decode step's rows), one weight-bound pass for all, where it
+        the routed experts (kernels_torch.grouped_experts, for a decode step's rows), one weight-bound pass for all, where it
         was a GEMM, the SwiGLU and another GEMM after them."""
         # grouped GEMM: bf16 on CUDA (any dtype on the CPU); FP8 emulation has its sims in Expert only
         if self.fast and (xs.dtype == torch.bfloat16 or not xs.is_cuda) and not self.shared_experts.w1.fp8_emu:
@@ -722,7 +722,7 @@ class Block(nn.Module):
         if self.fast and has_triton(x) and not torch.is_grad_enabled() and x.shape[1] * x.shape[0] <= HC_PRE_TOKENS:
             return hc_pre_triton(x, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps,  # decode, the
                                  *((norm.weight, norm.eps) if norm is not None else ()))  # norm in the kernel
-        xf = x.float()  # before the mixes' GEMM, as in kernels._HcMixes.forward
+        xf = x.float()  # before the mixes' GEMM, as in kernels_torch._HcMixes.forward
         pre, post, comb = hc_split_sinkhorn(hc_mixes(x, fn, a.rms_norm_eps, self.fast), scale, base, a.hc_mult,
                                             a.hc_sinkhorn_iters, a.hc_eps, self.fast)
         h = (pre.unsqueeze(-1) * xf).sum(dim=2).to(x.dtype)
@@ -830,7 +830,7 @@ class Transformer(nn.Module):
         return self
 
     def set_kernels(self, fast=True):
-        """kernels.py's block-wise window attention, grouped GEMM experts, bf16 mHC mixes and Triton Sinkhorn (on) or
+        """kernels_torch.py's block-wise window attention, grouped GEMM experts, bf16 mHC mixes and Triton Sinkhorn (on) or
         the plain reference (off)."""
         for m in (m for m in self.modules() if isinstance(m, (Attention, MoE, Block, Transformer))):
             m.fast = fast
@@ -838,7 +838,7 @@ class Transformer(nn.Module):
 
     def stack_experts(self):
         """With the grouped GEMM on (set_kernels), keep each MoE's local experts in two stacked tensors, the
-        experts' parameters views of them (kernels.stack_experts_), so that each forward reads them in place.
+        experts' parameters views of them (kernels_torch.stack_experts_), so that each forward reads them in place.
         Re-stacks the layers whose parameters something replaced (a dtype or device cast, a load with assign=True):
         every forward calls this first (two pointer checks per layer), since compiled code reads the stacks as
         given. Returns whether it stacked anything (the engine's CUDA graphs then read old stacks)."""
@@ -853,7 +853,7 @@ class Transformer(nn.Module):
     def fuse_projections(self):
         """The engine's (with the fast kernels on, no FP8 emulation): each layer's attention projections that read
         the same input (wq_a, wkv, the compressors' and the indexer's weights_proj) in one tensor, the weights views of
-        it (kernels.fuse_rows_), so that decode runs them as one GEMM (kernels.fused_projections; on an H200, bench_2b
+        it (kernels_torch.fuse_rows_), so that decode runs them as one GEMM (kernels_torch.fused_projections; on an H200, bench_2b
         at batch 64: 103 GEMMs a step in 0.43 ms, fused 0.13, bench/probe_fused_proj.py, when the MoE's router and
         shared expert were fused too; the decode kernels now compute the shared expert with the routed ones, and the
         router is one GEMM). Re-fuses what something replaced, like stack_experts; returns whether it fused."""
@@ -871,13 +871,13 @@ class Transformer(nn.Module):
     def set_invariant(self, on=True):
         """Path-invariant numerics (compare_logprobs --invariant, rollout.py --serve --invariant): a token's logprob
         no longer depends on how it was computed (one full forward, or prefill + KV-cache decode in a batch of any
-        size). Every sum and transcendental function in fp64 (kernels.PathInvariant, entered by numerics()), with
+        size). Every sum and transcendental function in fp64 (kernels_torch.PathInvariant, entered by numerics()), with
         the reference experts and attention (grouped_mm has no fp64). Weights and activations keep their dtype."""
         self.invariant = on
         return self.set_kernels(False) if on else self
 
     def numerics(self):
-        """The context each forward and engine step runs in: kernels.PathInvariant once set_invariant (unless one is
+        """The context each forward and engine step runs in: kernels_torch.PathInvariant once set_invariant (unless one is
         active already: a caller scoring with the mode on, whose forward would enter it again), else none."""
         active = isinstance(torch.utils._python_dispatch._get_current_dispatch_mode(), PathInvariant)
         return PathInvariant() if self.invariant and not active else contextlib.nullcontext()

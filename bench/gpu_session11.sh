@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# H200 call 1 of session 11 (2026-12-02): expert weights stacked in one copy (kernels.grouped_experts). The kernel
+# H200 call 1 of session 11 (2026-12-02): expert weights stacked in one copy (kernels_torch.grouped_experts). The kernel
 # tests on the GPU; the training step of bench_2b with CUDA graphs, profiled, with its trace for a breakdown by layer
 # (bench.py --trace); the compile caches written back for the next calls (.ind/). Output: $OUT/*.txt, all.raw,
 # trace.json.gz, ind.txz.*

@@ -2,7 +2,7 @@
 # H200 call 1 of session 12 (2026-12-02): four pieces of a training layer, each against its alternative
 # (bench/probe_layer.py), then the GPU tests: the kernels, the Sinkhorn op and compiled layers under inductor,
 # CUDA IPC into a server (not run on the GPU since session 10). Output: $OUT/*.txt, *.raw
-# It ran on a tree with the Sinkhorn op in kernels.py and its test in tests/test_compile.py; both were taken out
+# It ran on a tree with the Sinkhorn op in kernels_torch.py and its test in tests/test_compile.py; both were taken out
 # after this call (the op is kept in bench/probe_layer.py), so test_sinkhorn_op_gradient no longer exists.
 source bench/gpu_prelude.sh
 step probe 330 python bench/probe_layer.py

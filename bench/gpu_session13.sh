@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# H200 call 1 of session 13 (2026-12-02): mHC's mixes on bf16 tensor cores (kernels.hc_mixes_bf16, fn in three exact
+# H200 call 1 of session 13 (2026-12-02): mHC's mixes on bf16 tensor cores (kernels_torch.hc_mixes_bf16, fn in three exact
 # bf16 parts) and the Sinkhorn loop with one tensor per row under compile (model_dsv4.sinkhorn_rows). The training
 # step's cold compile with its profile and trace runs in the background (inductor's caches come back for the next
 # call) while bench/probe_mhc.py times the forms alone and the GPU tests run.

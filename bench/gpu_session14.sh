@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 calls 1 and 2 of session 14 (2026-12-02; call 1's first kernel did not compile): mHC's Sinkhorn as Triton
-# kernels (kernels.sinkhorn_triton). The GPU tests of the kernels (tests/test_triton.py compiled by Triton,
+# kernels (kernels_torch.sinkhorn_triton). The GPU tests of the kernels (tests/test_triton.py compiled by Triton,
 # tests/test_kernels.py with the kernel inside the model), bench/probe_mhc.py's Triton forms against the loop, and in
 # the background the training step, a cold compile with its profile and trace. The compile caches written in this
 # call come back for the next one. Output: $OUT/log.txt, results.txt, logs.tar.xz, trace.json.gz, new.txz.*

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# H200 call 2 of session 15 (2026-12-02): the experts' stacks as the autograd leaves (kernels.stack_experts_: two
+# H200 call 2 of session 15 (2026-12-02): the experts' stacks as the autograd leaves (kernels_torch.stack_experts_: two
 # gradients per MoE layer where the per-expert parameters made 192), a cold compile of the changed layers; bench.py
 # now also prints how long the host took to issue a step. The GPU tests of the stacked experts run beside the
 # compile. Output: $OUT/log.txt, results.txt, logs.tar.xz, new.txz.*

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 22, call 1: the CSA layers' compressed keys in groups of query blocks (kernels.window_attention's
+# Session 22, call 1: the CSA layers' compressed keys in groups of query blocks (kernels_torch.window_attention's
 # `chunks`): the kernel tests on the GPU, the CSA attention alone in 1, 2, 4 and 8 groups (bench/probe_layer.py),
 # hc_post alone (its forward launched a token a program, for the next change), then the training step at 1 x 4096
 # with its trace, summed by bench/trace_summary.py. Output: $OUT/log.txt, results.txt, trace1.json.xz

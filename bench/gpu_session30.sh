@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 30, call 1: the --invariant fix of session 29 on the GPU (0.079 there before it: the rope_angles op's cos
-# and sin outside kernels.PathInvariant), the alignment and hc_pre tests on cuda; hc_pre's second kernel as two
+# and sin outside kernels_torch.PathInvariant), the alignment and hc_pre tests on cuda; hc_pre's second kernel as two
 # programs a token (the Sinkhorn beside the weighted sum) and the combine's K adds fused into hc_post (compiled):
 # the probe, and decode at batch 64 with its trace.
 source bench/gpu_prelude.sh

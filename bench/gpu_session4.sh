@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first H200 call of session 4 (2026-12-01): whole-layer compile (kernels.compile_layers), train and decode,
+# The first H200 call of session 4 (2026-12-01): whole-layer compile (kernels_torch.compile_layers), train and decode,
 # and the mismatch with cuBLAS's bf16 split-K on and off. Output: $OUT/log.txt
 export PYTHONUNBUFFERED=1
 B2=config/models/bench_2b.json

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The third H200 call of session 4 (2026-12-01): compile_layers on the whole bench_2b (5 kinds of layer), then the
-# GPU tests of kernels.py (inductor). Output: $OUT/log.txt
+# GPU tests of kernels_torch.py (inductor). Output: $OUT/log.txt
 export PYTHONUNBUFFERED=1
 B2=config/models/bench_2b.json
 run() { echo "### $*"; timeout "$@" 2>&1 | grep -v "Loading weights" | grep -v -i "warn\|online softmax\|split the\|important use case\|softmax\.$\|^$\|originates\|rope_inv_freq\|^ *\^*$"; }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fourth H200 call of session 4 (2026-12-01): the GPU tests of kernels.py and the tensor transport, then decode
+# The fourth H200 call of session 4 (2026-12-01): the GPU tests of kernels_torch.py and the tensor transport, then decode
 # at batch 256 with compile_layers (the decode step of each kind of layer compiled, inside the CUDA graphs).
 export PYTHONUNBUFFERED=1
 B2=config/models/bench_2b.json

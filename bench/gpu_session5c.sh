@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The third H200 call of session 5 (2026-12-01): mHC's narrow fp32 GEMM split over K (probe, GPU test), then the
 # compiled training step with it (inductor cache of the earlier calls carried in .ind/). Output: $OUT/log.txt
-# The split-K change (kernels.linear_split_k) was reverted after this call, and the probe made self-contained (the
+# The split-K change (kernels_torch.linear_split_k) was reverted after this call, and the probe made self-contained (the
 # same GEMMs): bench/RESULTS.md says why.
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind/inductor TRITON_CACHE_DIR=/tmp/ind/triton
 mkdir -p /tmp/ind && { ls .ind/ind.tgz.* >/dev/null 2>&1 && cat .ind/ind.tgz.* | tar xz -C /tmp/ind; }

@@ -10,7 +10,7 @@ drop() { grep -v "Loading weights" | grep -v -i "warn\|online softmax\|split the
 { nvidia-smi -L; git log -1 --oneline; git status --short | head
   date +%T; timeout 150 python -m pytest -q tests/test_compile.py -k sampler 2>&1 | grep -i "passed\|failed\|Error:" | head -5; } > $O/log.txt 2>&1
 if ! grep -q "1 passed" $O/log.txt; then
-  sed -i '/engine.sample_tokens = torch.compile/d' kernels.py; echo "### sampler compile taken out for this run" >> $O/log.txt
+  sed -i '/engine.sample_tokens = torch.compile/d' kernels_torch.py; echo "### sampler compile taken out for this run" >> $O/log.txt
 fi
 ( date +%T; timeout 300 python -m pytest -q tests/test_compile.py -k decode 2>&1 | grep -i "passed\|failed\|Error:" | head -5; date +%T ) > $O/log_test.txt 2>&1 &
 ( date +%T; timeout 480 python bench.py --what=decode --model=$B2 --seq=32 --batch=64 --new_tokens=1024 --dtype=bfloat16 --compile=layers --profile 2>&1 | drop; date +%T ) > $O/log_decode.txt 2>&1

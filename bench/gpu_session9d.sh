@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# H200 call 4 of session 9 (2026-12-01): mHC's mixes with the parts cut instead of rounded (kernels.split_bf16), so
+# H200 call 4 of session 9 (2026-12-01): mHC's mixes with the parts cut instead of rounded (kernels_torch.split_bf16), so
 # that inductor cannot drop them: their tests on the GPU (eager and compiled), and the probe at 4096 tokens, both
 # forms compiled as CUDA graphs. Output: $OUT/log*.txt
 export PYTHONUNBUFFERED=1

@@ -1,5 +1,5 @@
 """The routed experts' grouped GEMMs of bench_2b's training step on a GPU (64 experts, D 1536, I 512, top-6; rows
-sorted by expert, ~balanced counts), forward and forward+backward: kernels.grouped_experts' math eager (aten's
+sorted by expert, ~balanced counts), forward and forward+backward: kernels_torch.grouped_experts' math eager (aten's
 grouped GEMM, what the trainer runs), compiled as compile_layers does (inductor, aten's kernel inside), and compiled
 with mode="max-autotune-no-cudagraphs" (inductor times its Triton grouped-GEMM templates against aten's and keeps
 the fastest); against one plain GEMM of the same FLOPs. Then the eager step's kernels one by one. The backward
@@ -19,7 +19,7 @@ cli = p.parse_args()
 E, D, I, K, LIMIT = 64, 1536, 512, 6, 10.0
 
 
-def experts(xs, ws, offs, w13, w2):  # kernels.grouped_experts with the stacks given
+def experts(xs, ws, offs, w13, w2):  # kernels_torch.grouped_experts with the stacks given
     g, u = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
     g, u = g.clamp(max=LIMIT), u.clamp(-LIMIT, LIMIT)
     h = (F.silu(g) * u * ws[:, None]).to(xs.dtype)

@@ -7,7 +7,7 @@ read three times. Here one program takes BT tokens: a loop over their n * D valu
 parts of fn x three groups of rows: pre, post, comb, each padded to 16 rows) and the sum of squares at once; the
 activations and Sinkhorn run in registers; a second loop over D forms the weighted sum (the same rows again, from
 L2 when they fit). The backward is torch code (hc_pre_op's _backward: compiled with the rest of a compiled caller's
-backward), the same formulas autograd derives for the model's hc_pre, with kernels.hc_mixes_grads and the Triton
+backward), the same formulas autograd derives for the model's hc_pre, with kernels_torch.hc_mixes_grads and the Triton
 Sinkhorn's backward; or (DX_KERNEL) with dx written by a second Triton kernel, _hc_pre_dx, which forms dz @ fn in
 registers where the compiled code writes it out as an fp32 [T, n * D] tensor (100 MB here) and reads it back.
 A third kernel, _hc_post_bwd, takes Block.hc_post's backward in one pass over dy, f and x (HcPost: the compiled
@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model_dsv4 as m  # noqa: E402  (before triton: with no GPU, kernels_triton.py switches Triton to its interpreter)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-import kernels  # noqa: E402
-from kernels import split_bf16  # noqa: E402
+import kernels_torch  # noqa: E402
+from kernels_torch import split_bf16  # noqa: E402
 from kernels_triton import _sinkhorn_triton_backward, _sums  # noqa: E402
 from probe_mhc import measure, mhc_inputs  # noqa: E402
 
@@ -172,7 +172,7 @@ def hc_pre_dx_op(x: torch.Tensor, dh: torch.Tensor, pre: torch.Tensor, c: torch.
 
 
 hc_pre_dx_op.register_fake(lambda x, *rest: torch.empty_like(x))
-DX_KERNEL = False  # the backward's dx: _hc_pre_dx (True) or the torch code of kernels.hc_mixes_grads (False)
+DX_KERNEL = False  # the backward's dx: _hc_pre_dx (True) or the torch code of kernels_torch.hc_mixes_grads (False)
 
 
 def _setup(ctx, inputs, output):
@@ -182,7 +182,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dh, dpost, dcomb, _da, _dr):
     """Torch code (compiled with the rest of a compiled caller's backward): through pre / post / the softmax and
-    Sinkhorn (kernels.py's Triton backward) to the mixes, then kernels.hc_mixes_grads, plus pre's part of dx."""
+    Sinkhorn (kernels_torch.py's Triton backward) to the mixes, then kernels_torch.hc_mixes_grads, plus pre's part of dx."""
     x, fn, scale, base, a, r = ctx.saved_tensors
     B, T, n, D = x.shape
     xs, a, r = x.reshape(-1, n, D), a.reshape(-1, (2 + n) * n), r.reshape(-1, 1)
@@ -204,11 +204,11 @@ def _backward(ctx, dh, dpost, dcomb, _da, _dr):
         f = torch.stack(split_bf16(torch.nn.functional.pad(fn, (0, 0, 0, 32 - R))))  # [3, 32, K]
         c = (du * s * a).sum(-1) * r[:, 0] ** 2 / (n * D)
         dx = hc_pre_dx_op(x.reshape(-1, n * D), dh16, pre, c, g, f)
-        dfn = kernels.mm_f32(g.transpose(1, 2).reshape(-1, g.shape[1]), x.reshape(-1, n * D)).view(3, 32, -1)
+        dfn = kernels_torch.mm_f32(g.transpose(1, 2).reshape(-1, g.shape[1]), x.reshape(-1, n * D)).view(3, 32, -1)
         return dx.view(x.shape), dfn.sum(0)[:R], dscale, du.sum(0), None, None, None
     R, Rp = fn.shape[0], fn.shape[0] + -fn.shape[0] % 8
     f = torch.cat(split_bf16(torch.nn.functional.pad(fn, (0, 0, 0, Rp - R))))  # as _HcMixes keeps it
-    dx, dfn = kernels.hc_mixes_grads(x.reshape(-1, n * D), f, a / r, r, du * s)
+    dx, dfn = kernels_torch.hc_mixes_grads(x.reshape(-1, n * D), f, a / r, r, du * s)
     dx = dx.view(-1, n, D) + pre[:, :, None] * dh[:, None, :]
     return dx.to(x.dtype).view(x.shape), dfn, dscale, du.sum(0), None, None, None
 

@@ -4,7 +4,7 @@ current form and the alternative tried in session 12, with each one's first call
     an op (one tensor per entry, its backward written out, compiled once on its own; below);
   - a CSA layer's attention (window_attention at 4096 tokens, 16 heads of 512, 1024 compressed entries of which
     512 picked): the softmax over [window | compressed | sink] as one concatenated row (before) against two parts
-    sharing one max and one denominator (kernels.window_attention since session 12). Session 22 timed the query
+    sharing one max and one denominator (kernels_torch.window_attention since session 12). Session 22 timed the query
     blocks in 1, 2, 4 and 8 groups, each against the compressed entries its last query sees, with this probe at
     commit 613d108: slower (bench/RESULTS.md), so taken out again;
   - the indexer's score (16 heads of 128 against 1024 entries, ReLU, weighted sum over heads): einsum against a
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import kernels  # noqa: E402
+import kernels_torch  # noqa: E402
 import model_dsv4 as m  # noqa: E402
 from probe_timing import timed  # noqa: E402
 
@@ -39,7 +39,7 @@ def first_call(fn):
     return time.perf_counter() - t0
 
 
-# ---- the op tried for mHC's Sinkhorn (kernels.py in session 12's first try; measured slower, not kept) ----
+# ---- the op tried for mHC's Sinkhorn (kernels_torch.py in session 12's first try; measured slower, not kept) ----
 # hc_split_sinkhorn's loop with each of the n x n entries as its own tensor (c[i][j]: row i,
 # column j) and each row or column sum written as additions: pointwise work only, which inductor fuses into one
 # kernel, where the batched loop's 2 * iters small reductions compile to some 40 kernels of ~1 µs each, and their
@@ -140,7 +140,7 @@ sinkhorn.register_autograd(lambda ctx, grad, _: (sinkhorn_backward(ctx.saved_ten
 
 
 def concat_softmax_attention(q, kv, ckv, cmask, sink, scale, window):
-    """kernels.window_attention as it was before session 12 (T a multiple of the window): the softmax over one row
+    """kernels_torch.window_attention as it was before session 12 (T a multiple of the window): the softmax over one row
     of [window logits | compressed logits | sink], concatenated."""
     B, T, H, d = q.shape
     w, dt = window, kv.dtype
@@ -148,12 +148,12 @@ def concat_softmax_attention(q, kv, ckv, cmask, sink, scale, window):
     qb = q.reshape(B * nb, w * H, d)
     kvp = F.pad(kv, (0, 0, w, 0))
     keys = torch.cat([kvp[:, :-w].reshape(B, nb, w, d), kvp[:, w:].reshape(B, nb, w, d)], dim=2).flatten(0, 1)
-    logits = kernels.matmul_f32(qb, keys.transpose(1, 2)).view(B * nb, w, H, 2 * w) * scale
+    logits = kernels_torch.matmul_f32(qb, keys.transpose(1, 2)).view(B * nb, w, H, 2 * w) * scale
     t = torch.arange(nb * w, device=q.device).view(nb, w, 1)
     j = (t - t % w - w) + torch.arange(2 * w, device=q.device)
     band = ((j <= t) & (j > t - w) & (j >= 0)).view(1, nb, w, 1, 2 * w)
     logits = logits.view(B, nb, w, H, 2 * w).masked_fill(~band, float("-inf")).view(B * nb, w, H, 2 * w)
-    clog = kernels.matmul_f32(q.reshape(B, T * H, d), ckv.transpose(1, 2)).view(B, T, H, -1) * scale
+    clog = kernels_torch.matmul_f32(q.reshape(B, T * H, d), ckv.transpose(1, 2)).view(B, T, H, -1) * scale
     clog = clog.masked_fill(~cmask[:, :, None], float("-inf")).view(B * nb, w, H, -1)
     sinks = sink.float().view(1, 1, H, 1).expand(B * nb, w, H, 1)
     probs = torch.cat([logits, clog, sinks], dim=-1).softmax(dim=-1).to(dt)
@@ -205,7 +205,7 @@ def main(parts=("sinkhorn", "attention", "indexer", "output")):
     cmask = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True) & visible
     go = torch.randn(1, T, H, d, device=dev, dtype=bf, generator=g)
     ref = None
-    variants = (("concatenated row", concat_softmax_attention), ("two parts", kernels.window_attention))
+    variants = (("concatenated row", concat_softmax_attention), ("two parts", kernels_torch.window_attention))
     for name, f in variants if "attention" in parts else ():
         cf = torch.compile(f, backend=BACKEND)
         step = lambda: torch.autograd.grad((cf(q, kv, ckv, cmask, sink, d ** -0.5, w).float() * go).sum(),
@@ -222,11 +222,11 @@ def main(parts=("sinkhorn", "attention", "indexer", "output")):
     wi = torch.randn(1, T, 16, device=dev, generator=g)
 
     def einsum_form():
-        s = kernels.matmul_f32(qi.flatten(1, 2), ki.transpose(1, 2)).view(1, T, 16, -1).relu()
+        s = kernels_torch.matmul_f32(qi.flatten(1, 2), ki.transpose(1, 2)).view(1, T, 16, -1).relu()
         return torch.einsum("bths,bth->bts", s, wi)
 
     def sum_form():
-        s = kernels.matmul_f32(qi.flatten(1, 2), ki.transpose(1, 2)).view(1, T, 16, -1).relu()
+        s = kernels_torch.matmul_f32(qi.flatten(1, 2), ki.transpose(1, 2)).view(1, T, 16, -1).relu()
         return (s * wi[..., None]).sum(2)
     ref = None
     for name, f in (("einsum", einsum_form), ("product and sum", sum_form)) if "indexer" in parts else ():

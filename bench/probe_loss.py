@@ -1,6 +1,6 @@
 """The loss over the vocabulary in bench_2b's training step (4096 x 129280 fp32 logits), forward+backward, on a GPU:
 F.cross_entropy (what bench.py's training step takes), grpo.grpo_loss eager (what train_grpo.py runs), and
-grpo.grpo_loss compiled (what kernels.compile_layers swaps in), and grpo.token_logprobs (what bench.py's step
+grpo.grpo_loss compiled (what kernels_torch.compile_layers swaps in), and grpo.token_logprobs (what bench.py's step
 takes), each with the target logprob's written-out backward (grpo._TargetLogprob, session 15) and with autograd's
 through log_softmax and gather (before). Session 9 ran this as part of bench/probe_hc_loss.py (commit fa6e1c2).
 python bench/probe_loss.py"""

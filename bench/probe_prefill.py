@@ -48,10 +48,10 @@ for i in range(3):
     t0 = time.perf_counter()
     run()
     print(f"prefill {cli.batch} x {cli.seq} tokens, call {i + 1}: {(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
-if cli.compile:  # session 30: KVCache.prefill_layer compiled (kernels.compile_layers; the length padded to 128)
-    import kernels
+if cli.compile:  # session 30: KVCache.prefill_layer compiled (kernels_torch.compile_layers; the length padded to 128)
+    import kernels_torch
     eager = run()
-    kernels.compile_layers(backend="inductor" if cuda else "aot_eager")
+    kernels_torch.compile_layers(backend="inductor" if cuda else "aot_eager")
     for i in range(3):
         t0 = time.perf_counter()
         got = run()

@@ -1,4 +1,4 @@
-"""kernels_decode.py's kernels against the code they replace: experts_triton against kernels.grouped_experts and
+"""kernels_decode.py's kernels against the code they replace: experts_triton against kernels_torch.grouped_experts and
 Expert.forward, alone and in the model's forward without grad; compress_step_triton against the cache's compressor
 step, alone and in the engine's decode; sample_triton against engine.sample_tokens, alone and in the engine;
 q_norm_rope_triton against Attention.query; window_kv_triton against Attention.window_kv and the cache's writes, alone
@@ -15,7 +15,7 @@ import torch
 from kernels_decode import (experts_triton, q_norm_rope_triton,  # before triton: without a GPU it turns on the
                             sample_triton, window_kv_triton)      # interpreter
 import engine
-import kernels
+import kernels_torch
 import kv_cache
 from kernels_triton import INTERPRETED
 import model_dsv4
@@ -53,12 +53,12 @@ def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, sh
     experts = [e.to(DEV) for e in experts]
     experts, sh = experts[:E], experts[E]
     xs, ws, counts, x = xs.to(DEV), ws.to(DEV), counts.to(DEV), x.to(DEV)
-    w13, w2 = kernels.stack(experts)
+    w13, w2 = kernels_torch.stack(experts)
     with torch.no_grad():
         out = experts_triton(xs, ws, counts.cumsum(0).to(torch.int32), w13, w2, limit,
                              *((x, sh.w1.weight, sh.w3.weight, sh.w2.weight) if shared else ()))
-        monkeypatch.setattr(kernels, "has_triton", lambda t: False)
-        ref = kernels.grouped_experts(experts, xs, ws, counts, limit)
+        monkeypatch.setattr(kernels_torch, "has_triton", lambda t: False)
+        ref = kernels_torch.grouped_experts(experts, xs, ws, counts, limit)
         ends = counts.cumsum(0).tolist()
         exact = torch.cat([copy.deepcopy(e).double()(xs[a:b].double(), ws[a:b].double())
                            for e, a, b in zip(experts, [0] + ends[:-1], ends)])
@@ -117,13 +117,13 @@ def test_compress_step_triton_equals_compressor_step(ratio, d, dtype):
 
 def test_model_without_grad_on_triton_experts_equals_reference(monkeypatch):
     """A decode step's MoE (one token a sequence, without grad) takes the experts' kernels through
-    kernels.grouped_experts (with few rows an expert): four of TINY's layers on 20 sequences of 1 token against the
+    kernels_torch.grouped_experts (with few rows an expert): four of TINY's layers on 20 sequences of 1 token against the
     same model on aten's grouped GEMM, fp32 to 1e-5 of the largest logit (on a GPU bf16, which aten's grouped GEMM
     needs there, to 2e-2); each layer's MoE called the kernels once. A prefill's rows (2 sequences of 10 tokens, as
     few an expert) never do: a branch on their count made the compiled prefill compile again after the warm-up."""
     calls, dtype = [], torch.bfloat16 if DEV == "cuda" else torch.float32
-    monkeypatch.setattr(kernels, "has_triton", lambda t: True)
-    monkeypatch.setattr(kernels, "experts_triton", lambda *a: calls.append(1) or experts_triton(*a))
+    monkeypatch.setattr(kernels_torch, "has_triton", lambda t: True)
+    monkeypatch.setattr(kernels_torch, "experts_triton", lambda *a: calls.append(1) or experts_triton(*a))
     model = randomize_(Transformer(copy.deepcopy(FOUR), dtype=dtype), FOUR.n_routed_experts,
                        FOUR.num_experts_per_tok, seed=6).to(DEV).set_kernels(True)
     ids = torch.randint(0, FOUR.vocab_size, (20, 1), generator=torch.Generator().manual_seed(7)).to(DEV)
@@ -132,7 +132,7 @@ def test_model_without_grad_on_triton_experts_equals_reference(monkeypatch):
         assert len(calls) == FOUR.num_hidden_layers
         model(ids.view(2, 10))
         assert len(calls) == FOUR.num_hidden_layers
-        monkeypatch.setattr(kernels, "has_triton", lambda t: False)
+        monkeypatch.setattr(kernels_torch, "has_triton", lambda t: False)
         ref = model(ids)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (fast - ref).abs().max() <= tol * ref.abs().max(), ((fast - ref).abs().max(), ref.abs().max())

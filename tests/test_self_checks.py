@@ -22,3 +22,14 @@ def test_self_check_passes(script, last):
     out = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert last in out.stdout.strip().splitlines()[-1], out.stdout[-2000:]
+
+
+def test_no_module_of_ours_shadows_an_installed_package():
+    """The repo's files are top-level modules, first on sys.path wherever they run: a file named as an installed
+    package's import name hides that package from everything that imports it. transformers 5.25 came to install
+    and import the `kernels` package, and got our kernels.py (now kernels_torch.py): every test that loaded
+    transformers failed with an ImportError (session 31)."""
+    from importlib.metadata import packages_distributions
+    theirs = {name: dists for name, dists in packages_distributions().items() if "nano-dsv4-rl" not in dists}
+    ours = [f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")]
+    assert ours and not {m: theirs[m] for m in ours if m in theirs}
