@@ -2,8 +2,8 @@
 The engine's decode-step kernels, each beside the plain reference it replaces (tests/test_decode_kernels.py checks that
 the two agree, alone and in the engine; tests/test_kernel_builds.py compiles them for sm_90 and gfx950):
 
-  - experts_triton: a decode step's routed experts (kernels_torch.grouped_experts with few rows an expert) as two kernels,
-    the up projection with the SwiGLU and the down projection.
+  - experts_triton: a decode step's routed experts (kernels_torch.grouped_experts with few rows an expert) as two
+    kernels, the up projection with the SwiGLU and the down projection.
   - compress_step_triton: a decode step's whole compressor step (kv_cache.KVCache._compressor_step: the row's
     write, the pooling, Compressor.finish's norm and RoPE, the entry's write, the overlap's roll).
   - sample_triton: the engine's sampler (engine.sample_tokens without top-p and top-k) over chunks of the vocabulary.

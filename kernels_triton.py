@@ -282,7 +282,7 @@ hc_post_triton.register_autograd(_hc_post_backward, setup_context=_hc_post_setup
 # (Session 28 had the first kernel also form the streams from the attention's output, hc_post inside it: one kernel
 # less a layer, but the decode step was no faster, 2.65 against 2.53 ms without it in session 29: removed.)
 
-HC_PRE_TOKENS = 256  # Block.hc_pre takes the kernels without grad for inputs of at most this many tokens
+HC_PRE_TOKENS = 256  # Block.hc_pre takes the kernels without grad for a decode step of at most this many tokens
 HC_BT, HC_BK = 16, 128  # the GEMM's tile: tokens x K
 
 

@@ -34,7 +34,7 @@ class KVCache:
     """Fixed-size buffers for max_batch sequence slots (see the module docstring), and the model's prefill and decode
     through them. static: decode reads every compressed entry, masked (fixed shapes, for CUDA graphs and compiled
     code); else only up to the longest sequence's."""
-    pad_prefill = False  # kernels_torch.compile_layers sets it: prefill pads its batch's length to a multiple of length_multiple
+    pad_prefill = False  # set by kernels_torch.compile_layers: prefill pads its length to a multiple of length_multiple
 
     def __init__(self, model, max_batch, max_len, device, static=False):
         a, dt = model.args, model.dtype
@@ -88,9 +88,9 @@ class KVCache:
         return model.logits(x[torch.arange(len(prompts), device=self.device), L - 1][:, None])[:, 0]
 
     def prefill_layer(self, layer, x, ids):
-        # one Block.forward over the batch's prompts x [B, T, n, D] (ids [B, T]), and what decode needs from them:
-        # the window's keys kv [B, T, d] and, for each compressor of compressors(attn), (its entries, its kv and
-        # score rows). kernels_torch.compile_layers compiles this (dynamic batch and length: layers of one kind share it)
+        # one Block.forward over the batch's prompts x [B, T, n, D] (ids [B, T]), and what decode needs from them: the
+        # window's keys kv [B, T, d] and, for each compressor of compressors(attn), (its entries, its kv and score
+        # rows). kernels_torch.compile_layers compiles this (dynamic batch and length: layers of one kind share it)
         a = self.args
         h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
         attn = layer.attn

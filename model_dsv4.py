@@ -383,7 +383,7 @@ class Attention(nn.Module):
         self.indexer = Indexer(args) if self.ratio == 4 else None
 
     def fused_names(self):
-        """The projections of the attention's input, in the order of the fused tensor (kernels_torch.fused_projections)."""
+        """The projections of the attention's input in the fused tensor's order (kernels_torch.fused_projections)."""
         comp = ["compressor.wkv", "compressor.wgate"] if self.compressor is not None else []
         index = ["indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.weights_proj"] if self.indexer else []
         return ["wq_a", "wkv"] + comp + index
@@ -656,9 +656,9 @@ class MoE(nn.Module):
 
     def run_experts(self, xs, ws, counts, x=None, decode=False):
         """Each local expert on its contiguous slice of rows. xs: [R, D], ws: [R] -> ([R, D], None); x [N, D], this
-        rank's tokens: the shared expert's output [N, D] in place of None where the decode kernels computed it with
-        the routed experts (kernels_torch.grouped_experts, for a decode step's rows), one weight-bound pass for all, where it
-        was a GEMM, the SwiGLU and another GEMM after them."""
+        rank's tokens: the shared expert's output [N, D] in place of None where the decode kernels computed it with the
+        routed experts (kernels_torch.grouped_experts, for a decode step's rows), one weight-bound pass for all, where
+        it was a GEMM, the SwiGLU and another GEMM after them."""
         # grouped GEMM: bf16 on CUDA (any dtype on the CPU); FP8 emulation has its sims in Expert only
         if self.fast and (xs.dtype == torch.bfloat16 or not xs.is_cuda) and not self.shared_experts.w1.fp8_emu:
             counts = counts if torch.is_tensor(counts) else torch.tensor(counts, device=xs.device)
@@ -719,9 +719,11 @@ class Block(nn.Module):
         # x: [B, T, n, D] -> input [B, T, D] (through norm, the sublayer's RMSNorm, if given), post [B, T, n],
         # comb [B, T, n, n]
         a = self.args
-        if self.fast and has_triton(x) and not torch.is_grad_enabled() and x.shape[1] * x.shape[0] <= HC_PRE_TOKENS:
-            return hc_pre_triton(x, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps,  # decode, the
-                                 *((norm.weight, norm.eps) if norm is not None else ()))  # norm in the kernel
+        # a decode step's few tokens only (T == 1): a compiled prefill that branched on its size compiled again
+        if (self.fast and has_triton(x) and not torch.is_grad_enabled() and x.shape[1] == 1
+                and x.shape[0] <= HC_PRE_TOKENS):
+            return hc_pre_triton(x, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps,  # the norm in
+                                 *((norm.weight, norm.eps) if norm is not None else ()))  # the kernel
         xf = x.float()  # before the mixes' GEMM, as in kernels_torch._HcMixes.forward
         pre, post, comb = hc_split_sinkhorn(hc_mixes(x, fn, a.rms_norm_eps, self.fast), scale, base, a.hc_mult,
                                             a.hc_sinkhorn_iters, a.hc_eps, self.fast)
@@ -830,8 +832,8 @@ class Transformer(nn.Module):
         return self
 
     def set_kernels(self, fast=True):
-        """kernels_torch.py's block-wise window attention, grouped GEMM experts, bf16 mHC mixes and Triton Sinkhorn (on) or
-        the plain reference (off)."""
+        """kernels_torch.py's block-wise window attention, grouped GEMM experts, bf16 mHC mixes and Triton Sinkhorn (on)
+        or the plain reference (off)."""
         for m in (m for m in self.modules() if isinstance(m, (Attention, MoE, Block, Transformer))):
             m.fast = fast
         return self
@@ -851,11 +853,11 @@ class Transformer(nn.Module):
         return changed
 
     def fuse_projections(self):
-        """The engine's (with the fast kernels on, no FP8 emulation): each layer's attention projections that read
-        the same input (wq_a, wkv, the compressors' and the indexer's weights_proj) in one tensor, the weights views of
-        it (kernels_torch.fuse_rows_), so that decode runs them as one GEMM (kernels_torch.fused_projections; on an H200, bench_2b
-        at batch 64: 103 GEMMs a step in 0.43 ms, fused 0.13, bench/probe_fused_proj.py, when the MoE's router and
-        shared expert were fused too; the decode kernels now compute the shared expert with the routed ones, and the
+        """The engine's (with the fast kernels on, no FP8 emulation): each layer's attention projections that read the
+        same input (wq_a, wkv, the compressors' and the indexer's weights_proj) in one tensor, the weights views of it
+        (kernels_torch.fuse_rows_), so that decode runs them as one GEMM (kernels_torch.fused_projections; on an H200,
+        bench_2b at batch 64: 103 GEMMs a step in 0.43 ms, fused 0.13, bench/probe_fused_proj.py, when the MoE's router
+        and shared expert were fused too; the decode kernels now compute the shared expert with the routed ones, and the
         router is one GEMM). Re-fuses what something replaced, like stack_experts; returns whether it fused."""
         changed = False
         for m in (block.attn for block in self.layers.values()):
@@ -877,8 +879,8 @@ class Transformer(nn.Module):
         return self.set_kernels(False) if on else self
 
     def numerics(self):
-        """The context each forward and engine step runs in: kernels_torch.PathInvariant once set_invariant (unless one is
-        active already: a caller scoring with the mode on, whose forward would enter it again), else none."""
+        """The context each forward and engine step runs in: kernels_torch.PathInvariant once set_invariant (unless one
+        is active already: a caller scoring with the mode on, whose forward would enter it again), else none."""
         active = isinstance(torch.utils._python_dispatch._get_current_dispatch_mode(), PathInvariant)
         return PathInvariant() if self.invariant and not active else contextlib.nullcontext()
 

@@ -182,7 +182,8 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dh, dpost, dcomb, _da, _dr):
     """Torch code (compiled with the rest of a compiled caller's backward): through pre / post / the softmax and
-    Sinkhorn (kernels_torch.py's Triton backward) to the mixes, then kernels_torch.hc_mixes_grads, plus pre's part of dx."""
+    Sinkhorn (kernels_torch.py's Triton backward) to the mixes, then kernels_torch.hc_mixes_grads, plus pre's part of
+    dx."""
     x, fn, scale, base, a, r = ctx.saved_tensors
     B, T, n, D = x.shape
     xs, a, r = x.reshape(-1, n, D), a.reshape(-1, (2 + n) * n), r.reshape(-1, 1)

@@ -6,9 +6,9 @@ profiler), and its time per call replayed as one CUDA graph (as in `--compile=gr
     row of n * n, summed under masks (below);
   - Sinkhorn without autograd (the engine's decode): one tensor per entry (mhc.sinkhorn_entries) against the
     Triton kernel and the masked form;
-  - a whole sublayer, forward+backward (Block.hc_pre, then Block.hc_post with the identity as the sublayer): the
-    mixes as an fp32 GEMM (the reference) or on bf16 tensor cores (kernels_torch.hc_mixes_bf16), with the batched loop or
-    the Triton kernels, each checked against the first, with its 8 costliest kernels.
+  - a whole sublayer, forward+backward (Block.hc_pre, then Block.hc_post with the identity as the sublayer): the mixes
+    as an fp32 GEMM (the reference) or on bf16 tensor cores (kernels_torch.hc_mixes_bf16), with the batched loop or the
+    Triton kernels, each checked against the first, with its 8 costliest kernels.
 python bench/probe_mhc.py   (PROBE_MASKED=1: the masked form too; PROBE_BACKEND=aot_eager: the CPU smoke test)
 Session 13 (2026-12-02, H200, torch 2.11.0+cu130, bench/gpu_session13.sh and 13b.sh; bench/RESULTS.md) kept the
 bf16 mixes (a sublayer 787 -> 699 us replayed). It left the Sinkhorn loop batched: one tensor per row ran 177

@@ -1,7 +1,7 @@
-"""kernels_torch.compile_layers in the embedded engine: the compiled decode step against the eager engine and the forward,
-the compiled sampler and the Sinkhorn loop compiled code takes, Engine.warm_up's compiles before the first request
-(on the CPU with the aot_eager backend, on a GPU with inductor); and the startup refusals of compile='layers' on the
-CPU (inductor's C++ code for the decode step does not build there) and of compiling with --invariant. The trainer's
+"""kernels_torch.compile_layers in the embedded engine: the compiled decode step against the eager engine and the
+forward, the compiled sampler and the Sinkhorn loop compiled code takes, Engine.warm_up's compiles before the first
+request (on the CPU with the aot_eager backend, on a GPU with inductor); and the startup refusals of compile='layers' on
+the CPU (inductor's C++ code for the decode step does not build there) and of compiling with --invariant. The trainer's
 side: test_compile.py."""
 import copy
 import os

@@ -117,10 +117,10 @@ def test_compress_step_triton_equals_compressor_step(ratio, d, dtype):
 
 def test_model_without_grad_on_triton_experts_equals_reference(monkeypatch):
     """A decode step's MoE (one token a sequence, without grad) takes the experts' kernels through
-    kernels_torch.grouped_experts (with few rows an expert): four of TINY's layers on 20 sequences of 1 token against the
-    same model on aten's grouped GEMM, fp32 to 1e-5 of the largest logit (on a GPU bf16, which aten's grouped GEMM
-    needs there, to 2e-2); each layer's MoE called the kernels once. A prefill's rows (2 sequences of 10 tokens, as
-    few an expert) never do: a branch on their count made the compiled prefill compile again after the warm-up."""
+    kernels_torch.grouped_experts (with few rows an expert): four of TINY's layers on 20 sequences of 1 token against
+    the same model on aten's grouped GEMM, fp32 to 1e-5 of the largest logit (on a GPU bf16, which aten's grouped GEMM
+    needs there, to 2e-2); each layer's MoE called the kernels once. A prefill's rows (2 sequences of 10 tokens, as few
+    an expert) never do: a branch on their count made the compiled prefill compile again after the warm-up."""
     calls, dtype = [], torch.bfloat16 if DEV == "cuda" else torch.float32
     monkeypatch.setattr(kernels_torch, "has_triton", lambda t: True)
     monkeypatch.setattr(kernels_torch, "experts_triton", lambda *a: calls.append(1) or experts_triton(*a))

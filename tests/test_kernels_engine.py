@@ -130,11 +130,11 @@ def test_engine_stacked_experts_follow_weight_loads():
 
 
 def test_engine_fused_projections_equal_separate_and_follow_loads(monkeypatch):
-    """The engine's decode runs each layer's attention projections of one input as one GEMM on their weights fused into one
-    tensor (Transformer.fuse_projections, kernels_torch.fused_projections): each projection's slice equals its own linear;
-    12 cached decode steps (a window and a CSA and HCA compressor's windows completing among them) give the logits of
-    the same steps with every projection on its own (fp32, to 1e-5 of the largest); a weight load writes through into
-    the fused tensor; a deepcopy (which breaks the views) runs the projections on their own."""
+    """The engine's decode runs each layer's attention projections of one input as one GEMM on their weights fused into
+    one tensor (Transformer.fuse_projections, kernels_torch.fused_projections): each projection's slice equals its own
+    linear; 12 cached decode steps (a window and a CSA and HCA compressor's windows completing among them) give the
+    logits of the same steps with every projection on its own (fp32, to 1e-5 of the largest); a weight load writes
+    through into the fused tensor; a deepcopy (which breaks the views) runs the projections on their own."""
     from dataclasses import replace
 
     from engine import Engine

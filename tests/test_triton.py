@@ -193,7 +193,8 @@ def test_hc_pre_triton_equals_reference(n, D, T, dtype, norm):
 def test_model_without_grad_on_hc_pre_triton_equals_reference(monkeypatch):
     """A decode-shaped forward without grad (one position, few tokens) takes hc_pre_triton for every sublayer: TINY's
     layers on 5 sequences of one token, fp32, against the same model's reference hc_pre, to 1e-5 of the largest
-    logit; longer inputs (prefill) do not take it."""
+    logit; a prefill's inputs never take it, few tokens (2 x 10) or many (5 x 60): a branch on their count made
+    the compiled prefill compile again after Engine.warm_up (session 31)."""
     calls = []
     monkeypatch.setattr(model_dsv4, "has_triton", lambda t: True)
     monkeypatch.setattr(model_dsv4, "hc_pre_triton", lambda *a: calls.append(1) or hc_pre_triton(*a))
@@ -207,6 +208,7 @@ def test_model_without_grad_on_hc_pre_triton_equals_reference(monkeypatch):
         fast = model(ids)
         assert len(calls) == 2 * TINY.num_hidden_layers
         model(ids.repeat(1, 60)[:, :60])  # 300 tokens: over HC_PRE_TOKENS
+        model(ids.repeat(1, 10)[:2])  # 20 tokens, under it
         assert len(calls) == 2 * TINY.num_hidden_layers
         monkeypatch.setattr(model_dsv4, "has_triton", lambda t: False)
         ref = model(ids)
