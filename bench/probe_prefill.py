@@ -44,20 +44,35 @@ def run():
     return out
 
 
+def gap(got, ref):
+    """max |Δ logits| / max |logits| against ref's, and |Δ logprob| averaged under ref's distribution"""
+    lp, lp_ref = got.float().log_softmax(-1), ref.float().log_softmax(-1)
+    return ((got - ref).abs().max() / ref.abs().max()).item(), (lp_ref.exp() * (lp - lp_ref).abs()).sum(-1).mean().item()
+
+
 for i in range(3):
     t0 = time.perf_counter()
     run()
     print(f"prefill {cli.batch} x {cli.seq} tokens, call {i + 1}: {(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
 if cli.compile:  # session 30: KVCache.prefill_layer compiled (kernels_torch.compile_layers; the length padded to 128)
+    import copy
     import kernels_torch
     eager = run()
+    with torch.no_grad():  # the scale of bf16's own error (session 31): both against an fp32 copy of the model
+        m32 = copy.deepcopy(model).set_dtype(torch.float32)
+        m32.stack_experts()
+        ref = KVCache(m32, cli.batch + 1, cli.seq + 64, dev).prefill(m32, slots, prompts)
+        del m32
     kernels_torch.compile_layers(backend="inductor" if cuda else "aot_eager")
     for i in range(3):
         t0 = time.perf_counter()
         got = run()
         print(f"compiled, call {i + 1}: {(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
-    err = ((got - eager).abs().max() / eager.abs().max()).item()
-    print(f"compiled against eager: max |Δ logits| / max |logits| {err:.1e}; the profile below is the compiled one")
+    print("compiled against eager: max |Δ logits| / max |logits| %.1e, mean |Δ logprob| %.2e" % gap(got, eager))
+    for name, out in (("eager", eager), ("compiled", got)):
+        print("%s against the fp32 model: max |Δ logits| / max |logits| %.1e, mean |Δ logprob| %.2e"
+              % (name, *gap(out, ref)))
+    print("the profile below is the compiled prefill's")
 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 with profile(activities=acts) as prof:
     t0 = time.perf_counter()
