@@ -340,3 +340,6 @@ if __name__ == "__main__":
         for (tp, ep), (_, r) in zip(pairs, results):
             print(f"| {tp} | {ep} | {r['mean']:.4f} | {r['p99']:.4f} | {r['max']:.4f} | {r['kl_k3']:.1e} | "
                   f"{r['first']:.4f} | {r['rest']:.4f} |")
+    if grid is not None:  # all ranks leave together, after the report: the reporting rank, still scoring once the
+        dist.barrier()    # others had exited, aborted in gloo's teardown on a loaded CPU (SIGABRT, session 31)
+        dist.destroy_process_group()
