@@ -323,7 +323,7 @@ class Engine:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    @torch.no_grad()
+    @torch.no_grad()  # in any caller's mode: compiled with autograd on, inductor failed (mm_f32 has no derivative)
     def decode(self, slots, tokens, pos):
         """One token per sequence. slots, tokens, pos: int64 [B] (on any device) -> fp32 logits [B, vocab].
         On a GPU this replays a CUDA graph of _decode captured for the smallest batch bucket >= B (the padding
@@ -356,7 +356,7 @@ class Engine:
         the compiled layers (a size first seen as 1, or only once in a piece after a graph break, would compile
         again at the first request). Returns the seconds it took."""
         t0 = time.perf_counter()
-        with self.lock, torch.no_grad(), self.model.numerics():  # graphs compiled with autograd would fail (mm_f32)
+        with self.lock, self.model.numerics():
             if self.cache.pad_prefill:
                 for b, n in ((2, 1), (3, length_multiple(self.model.args) + 1)):
                     self.prefill([self.max_batch] * b, [[0] * n] * b)

@@ -27,15 +27,15 @@ from kernels_triton import INTERPRETED, _dot, _jit, tl, triton
 # ----------------------------------------------------------------------------- a decode step's routed experts
 # A decode step's experts are bound by reading their weights: 64 tokens x top-6 of bench_2b's 64 experts hit every
 # expert with 1-10 rows, 302 MB a layer, which aten's grouped GEMM (kernels_torch.grouped_experts) read at 2.2 TB/s in
-# 139 us. Here a program takes one expert and a block of BLOCK_N output columns, and runs the expert's rows past
-# them BLOCK_M at a time: the up kernel the gate and up rows of w13 with the clamped SwiGLU and the routing weight
-# (h, in the rows' dtype), the down kernel h times w2. 80-99 us at 64 and 256 tokens against aten's 139 and 146
+# 139 us. Here a program takes one expert and a block of BLOCK_N output columns, and runs the expert's rows past them
+# BLOCK_M at a time: the up kernel the gate and up rows of w13 with the clamped SwiGLU and the routing weight (h, in the
+# rows' dtype), the down kernel h times w2. 80-99 us at 64 and 256 tokens against aten's 139 and 146
 # (bench/probe_moe_decode.py, RESULTS.md session 24). An expert with no rows reads nothing. For many rows an expert
 # (prefill, training) aten's tiles are the better choice: grouped_experts takes these for decode steps only, up to
-# EXPERT_ROWS rows an expert.
-# The shared expert rides along as one more expert (program E), its rows the tokens themselves: in a bench_2b decode
-# step it was a GEMM of its own for w2, the SwiGLU and the sum with the routed experts' (w1 and w3 fused into the
-# router's GEMM), 3-4 kernels a layer at 1.6-3.6 us each, where here it adds 3 MB to the 302 MB the kernels read.
+# EXPERT_ROWS rows an expert. The shared expert rides along as one more expert (program E), its rows the tokens
+# themselves: in a bench_2b decode step it was a GEMM of its own for w2, the SwiGLU and the sum with the routed experts'
+# (w1 and w3 fused into the router's GEMM), 3-4 kernels a layer at 1.6-3.6 us each, where here it adds 3 MB to the 302
+# MB the kernels read.
 
 @_jit
 def _expert_rows(offs_ptr, e, R, NT, SB, SHARED: tl.constexpr, BLOCK_M: tl.constexpr):
