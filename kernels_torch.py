@@ -347,7 +347,12 @@ def compile_layers(backend="inductor", graphs=False):
     import kv_cache
     import model_dsv4 as m
     import parallel
+    import torch._inductor.config
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
+    # inductor's pass that pads a GEMM's dims weighs its arithmetic intensity on the symbolic sizes, which guards on
+    # batch x length: the H200 compiled the prefill again for 4 x 128 tokens after the warm-up's 2 x 128 and 3 x 256
+    # (session 32, pad_mm.is_mm_compute_bound). V4's dims and the padded lengths are multiples of 64 already
+    torch._inductor.config.shape_padding = False
     # bench.py --compile=graphs keeps static shapes: a CUDA graph is recorded per shape anyway
     trainer = (lambda f: torch.compile(f, backend=backend)) if graphs else \
               (lambda f: _dynamic_batch_and_length(torch.compile(f, backend=backend)))
