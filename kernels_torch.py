@@ -318,21 +318,21 @@ def use_compile(mode):
 
 
 def compile_layers(backend="inductor", graphs=False):
-    """`compile='layers'`: torch.compile a whole layer at a time, where the step is bound by launching small
-    kernels. Block.forward (the trainer's layers and MTP), the head (Transformer.logits), the GRPO losses
-    (grpo.grpo_loss, grpo.token_logprobs: 9.2 -> 3.5 ms forward+backward over bench_2b's 4096 x 129280 logits on an
-    H200 with grpo._TargetLogprob, bench/probe_loss.py), KVCache.decode_layer (one decode step of a layer) and the engine's sampler
-    (engine.sample_tokens) are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or learned
-    router) share one compiled graph, since a module's parameters are inputs of the graph, not constants. The
+    """`compile='layers'`: torch.compile a whole layer at a time, where the step is bound by launching small kernels.
+    Block.forward (the trainer's layers and MTP), the head (Transformer.logits), the GRPO losses (grpo.grpo_loss,
+    grpo.token_logprobs: 9.2 -> 3.5 ms forward+backward over bench_2b's 4096 x 129280 logits on an H200 with
+    grpo._TargetLogprob, bench/probe_loss.py), KVCache.decode_layer (one decode step of a layer) and the engine's
+    sampler (engine.sample_tokens) are swapped for compiled versions; layers of one kind (window / CSA / HCA, hash or
+    learned router) share one compiled graph, since a module's parameters are inputs of the graph, not constants. The
     engine's prefill (KVCache.prefill_layer: a layer over the admitted prompts, their length padded to a multiple of
-    length_multiple so that one graph of each kind takes every length) is compiled like the trainer's layers: eager
-    it was bound by its launches (4477 for 64 prompts of 32 tokens, 115-122 ms on an H200, session 29). The first
-    call of each kind compiles, minutes for bench_2b on an H200 machine. The trainer's functions (Block.forward, the head, the losses)
-    take their batch and length dims as symbolic from the first call (_dynamic_batch_and_length): every GRPO step
-    brings new lengths, and a first compile for the first step's exact shape would be thrown away at the second
-    (a full compile of every kind of layer again: 207 s for bench_2b's GRPO step on an H200, session 18). The
-    engine's decode keeps its static first bucket (its shapes repeat; decode compiles it with the rest in its warm-up).
-    (The CPU tests pass backend="aot_eager": the same graphs without code generation.)
+    length_multiple so that one graph of each kind takes every length) is compiled like the trainer's layers: eager it
+    was bound by its launches (4477 for 64 prompts of 32 tokens, 115-122 ms on an H200, session 29). The first call of
+    each kind compiles, minutes for bench_2b on an H200 machine. The trainer's functions (Block.forward, the head, the
+    losses) take their batch and length dims as symbolic from the first call (_dynamic_batch_and_length): every GRPO
+    step brings new lengths, and a first compile for the first step's exact shape would be thrown away at the second (a
+    full compile of every kind of layer again: 207 s for bench_2b's GRPO step on an H200, session 18). The engine's
+    decode keeps its static first bucket (its shapes repeat; decode compiles it with the rest in its warm-up). (The CPU
+    tests pass backend="aot_eager": the same graphs without code generation.)
 
     graphs=True (bench.py --compile=graphs) adds mode="reduce-overhead" to Block.forward: inductor records each
     layer's forward and backward as CUDA graphs and replays them, so the CPU no longer launches every kernel (bench_2b's
@@ -409,7 +409,8 @@ def compile_hot_paths():
     import mhc
     import model_dsv4 as m
     compile = lambda fn: torch.compile(fn, dynamic=True)
-    m.hc_split_sinkhorn, m.hc_mixes, m.apply_rope = (compile(f) for f in (m.hc_split_sinkhorn, m.hc_mixes, m.apply_rope))
+    fns = (m.hc_split_sinkhorn, m.hc_mixes, m.apply_rope)
+    m.hc_split_sinkhorn, m.hc_mixes, m.apply_rope = (compile(f) for f in fns)
     mhc.hc_mixes = m.hc_mixes  # where hc_head looks it up
     m.Block.hc_post = compile(m.Block.hc_post)
     m.RMSNorm.forward = compile(m.RMSNorm.forward)
