@@ -24,7 +24,7 @@ import kernels_torch  # noqa: E402
 import model_dsv4 as m  # noqa: E402
 from probe_timing import timed  # noqa: E402
 
-# Session 12 (2026-12-02, H200, torch 2.11.0+cu130, bench/gpu_session12.sh) kept the two-part softmax and the
+# Session 12 (2026-12-02, H200, torch 2.11.0+cu130, bench/calls/gpu_session12.sh) kept the two-part softmax and the
 # fused indexer score, and left the Sinkhorn op (2.1x slower and 134 s of compile) and the bmm output (1.2x slower).
 
 

@@ -10,11 +10,11 @@ profiler), and its time per call replayed as one CUDA graph (as in `--compile=gr
     as an fp32 GEMM (the reference) or on bf16 tensor cores (kernels_torch.hc_mixes_bf16), with the batched loop or the
     Triton kernels, each checked against the first, with its 8 costliest kernels.
 python bench/probe_mhc.py   (PROBE_MASKED=1: the masked form too; PROBE_BACKEND=aot_eager: the CPU smoke test)
-Session 13 (2026-12-02, H200, torch 2.11.0+cu130, bench/gpu_session13.sh and 13b.sh; bench/RESULTS.md) kept the
+Session 13 (2026-12-02, H200, torch 2.11.0+cu130, bench/calls/gpu_session13.sh and 13b.sh; bench/RESULTS.md) kept the
 bf16 mixes (a sublayer 787 -> 699 us replayed). It left the Sinkhorn loop batched: one tensor per row ran 177
 kernels against the loop's 158 (inductor writes out every step), and the masked form below ran 19 kernels in 75 us
 against 158 in 169 us but took 148 s to compile against 14 s, a cost each of a model's compiled layer kinds would pay
-twice. Session 14 (bench/gpu_session14b.sh) took the Triton kernels: 6 kernels in 20 us against the loop's 158 in
+twice. Session 14 (bench/calls/gpu_session14b.sh) took the Triton kernels: 6 kernels in 20 us against the loop's 158 in
 170 us, a sublayer 706 -> 485 us replayed. Its written-out backward (157 kernels, 169 us) gained nothing: inductor
 still writes every step out. (The captures of the Sinkhorn alone with autograd fail, for every form; not looked into.)
 Each form's top kernels show their time in the profiled eager calls and in the replays; the last form's kernels are

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Session 29, call 2: the shared expert inside the routed experts' decode kernels (one more expert, its rows the
+# tokens), the MoE's projections no longer fused (the router is one GEMM). The GPU tests of the experts and the
+# engine, then decode at batch 64 with its trace.
+source bench/calls/prelude.sh
+step tests 200 python -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py tests/test_kernels_engine.py -k "experts or cuda_graphs or fused"
+step decode64 300 python bench.py --what=decode --model=$B2 --seq=32 --batch=64 --new_tokens=1024 --dtype=bfloat16 --compile=layers --no_peer --profile --trace=$O/dtrace.json
+step summary 20 python bench/trace_summary.py $O/dtrace.json --top=30 --per=4 --order=120:40
+cd $O && cat log.txt tests.txt decode64.txt summary.txt > results.txt && rm -f dtrace*.json; tar c *.raw | xz > logs.tar.xz && rm -f *.raw
+grep -v "^ *$" results.txt | grep -v "^ *-\+" | grep -v "^ *nvjet\|^ *triton_\|Memset\|^ *aten::\|^ *void \|^ *cuda\|^ *Cuda\|^ *_ZN\|^ *Compiled\|^ *sm80\|^ *_sinkhorn\|^ *Name  " | cut -c1-180 | head -120
