@@ -23,9 +23,10 @@ def test_kernels_compile_for_h200_and_mi355x():
     two at bench_2b's sizes (the mixes' tl.dot in each backend's precision, kernels_triton.hc_dot; the second with
     the sublayer's norm and without); the router (hash and learned, 256 experts) and the pairs' ordering (with the
     rows' copy and without); the query's norm and RoPE and the window key's write at head dim 512. The decode kernels
-    with programmatic dependent launch's wait for the H200 (kernels_triton.pdl), without for the MI355X. In a subprocess:
+    with programmatic dependent launch's wait for the H200 (kernels_triton.pdl), without for the MI355X. In a subprocess per backend:
     this process's kernels are interpreted."""
     code = """
+import sys
 import kernels_attention as ka, kernels_decode as kd, kernels_route as kr, kernels_triton as kt, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -71,22 +72,26 @@ sizes = {"V": "i32", "CHUNK": "i32", "S": "i32"}
 kernels += [(kd._sample_sums, {"BLOCK": kd.SAMPLE_BLOCK}, sizes, (), 4),
             (kd._sample_pick, {"SP": 16, "BLOCK": kd.SAMPLE_BLOCK}, {**sizes, "greedy_ptr": "*u8", "draws_ptr": "*i64",
              "best_ptr": "*fp64", "idx_ptr": "*i64"}, (), 4)]
-for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "gfx950", 64), "hsaco")):
-    for fn, consts, scalars, bf16, warps in kernels:
-        ptrs = {a: "*bf16" if a in bf16 else scalars.get(a, "*fp32") for a in fn.arg_names if a.endswith("_ptr")}
-        sig = {**ptrs, **{a: t for a, t in scalars.items() if a in fn.arg_names}}
-        consts = {**consts, "DOT": kt.hc_dot(target.backend)} if "DOT" in consts else consts  # per backend
-        if "GDC" in fn.arg_names:  # the decode kernels: PDL's wait on NVIDIA (kernels_triton.pdl), none on AMD
-            consts = {**consts, "GDC": target.backend == "cuda"}
-        sig.update({a: "constexpr" for a in consts})
-        src = ASTSource(fn, sig, constexprs=consts)
-        pdl = {"launch_pdl": True} if consts.get("GDC") else {}
-        asm = triton.compile(src, target=target, options={"num_warps": warps, **pdl}).asm
-        assert binary in asm, (target, fn)
-        assert not pdl or "griddepcontrol.wait" in asm["ptx"], fn
-        print(target.arch, fn.__name__, "compiled")
+target, binary = {"cuda": (GPUTarget("cuda", 90, 32), "cubin"),
+                  "hip": (GPUTarget("hip", "gfx950", 64), "hsaco")}[sys.argv[1]]  # the backend this process builds for
+for fn, consts, scalars, bf16, warps in kernels:
+    ptrs = {a: "*bf16" if a in bf16 else scalars.get(a, "*fp32") for a in fn.arg_names if a.endswith("_ptr")}
+    sig = {**ptrs, **{a: t for a, t in scalars.items() if a in fn.arg_names}}
+    consts = {**consts, "DOT": kt.hc_dot(target.backend)} if "DOT" in consts else consts  # per backend
+    if "GDC" in fn.arg_names:  # the decode kernels: PDL's wait on NVIDIA (kernels_triton.pdl), none on AMD
+        consts = {**consts, "GDC": target.backend == "cuda"}
+    sig.update({a: "constexpr" for a in consts})
+    src = ASTSource(fn, sig, constexprs=consts)
+    pdl = {"launch_pdl": True} if consts.get("GDC") else {}
+    asm = triton.compile(src, target=target, options={"num_warps": warps, **pdl}).asm
+    assert binary in asm, (target, fn)
+    assert not pdl or "griddepcontrol.wait" in asm["ptx"], fn
+    print(target.arch, fn.__name__, "compiled")
 """
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled") == 56, out.stdout
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # a process per backend, side by side (~85 s one after the other)
+    runs = [subprocess.Popen([sys.executable, "-c", code, backend], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for backend in ("cuda", "hip")]
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-3000:]
+        assert out.count("compiled") == 28, out
