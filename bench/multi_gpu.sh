@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 10's runs (and issue 8's sync peer), for a machine with 2, 4 or 8 GPUs. NOT RUN YET: no multi-GPU machine has been lent so far.
+# Issue 10's runs (and issue 8's sync peer), for a machine with 2, 4 or 8 GPUs. NOT RUN YET: no multi-GPU machine
+# has been lent so far.
 # Every parallel code path picks NCCL (RCCL on ROCm) and cuda:LOCAL_RANK by itself when CUDA is available, so the
 # CPU tests and commands below are the GPU runs as they are. Output: $OUT/multi_gpu.txt
 export PYTHONUNBUFFERED=1
