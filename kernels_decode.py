@@ -245,9 +245,9 @@ def sample_triton(logits, temp, greedy, draws, chunk=SAMPLE_CHUNK):
     part = logits.new_empty(B, S, 2)
     best, idx, lp = logits.new_empty(B, S, dtype=torch.float64), draws.new_empty(B, S), logits.new_empty(B, S)
     args = (logits.contiguous(), temp.float().contiguous())
-    _sample_sums[(B, S)](*args, part, V, chunk, S, BLOCK=block, **pdl(part), num_warps=4)
+    _sample_sums[(B, S)](*args, part, V, chunk, S, BLOCK=block, num_warps=4, **pdl(part))
     _sample_pick[(B, S)](*args, greedy.contiguous().view(torch.uint8), draws.contiguous(), part, best, idx, lp, V,
-                         chunk, S, SP=triton.next_power_of_2(S), BLOCK=block, **pdl(part), num_warps=4)
+                         chunk, S, SP=triton.next_power_of_2(S), BLOCK=block, num_warps=4, **pdl(part))
     j = best.argmax(1, keepdim=True)  # the first chunk of equal scores
     return torch.stack([idx.gather(1, j)[:, 0].double(), lp.gather(1, j)[:, 0].double()])
 
@@ -292,7 +292,7 @@ def q_norm_rope_triton(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ep
     out = torch.empty_like(q)
     hb = min(4, triton.next_power_of_2(H))
     _q_norm_rope[(B * T, triton.cdiv(H, hb))](q.contiguous(), cos, sin, out, H, d, eps, RH=cos.shape[1],
-                                              DP=triton.next_power_of_2(d), HB=hb, **pdl(q), num_warps=4)
+                                              DP=triton.next_power_of_2(d), HB=hb, num_warps=4, **pdl(q))
     return out
 
 
@@ -456,7 +456,7 @@ def compress_step_triton(kv: torch.Tensor, score: torch.Tensor, st_kv: torch.Ten
     _compress_step[(B,)](kv, score, st_kv, st_score, prev_kv, prev_score, ape.contiguous(), weight.float().contiguous(),
                          cos, sin, out, slots.contiguous(), pos.contiguous(), kv.stride(0), m, d, out.shape[1], eps,
                          OVERLAP=width == 2 * d, WP=triton.next_power_of_2(width), DP=triton.next_power_of_2(d),
-                         MP=MP, BR=min(MP, COMPRESS_ROWS), RH=cos.shape[1], **pdl(kv), num_warps=4)
+                         MP=MP, BR=min(MP, COMPRESS_ROWS), RH=cos.shape[1], num_warps=4, **pdl(kv))
 
 
 COMPRESS_ROWS = 16  # rows of the window a pooling pass loads at once

@@ -89,7 +89,7 @@ def route_triton(logits: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, k
     _route[(triton.cdiv(N, ROUTE_BT),)](logits, table.contiguous(), ids.contiguous(), w, idx, N, E, logits.stride(0),
                                         scale, K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E),
                                         BT=ROUTE_BT, FUNC=("softmax", "sigmoid", "sqrtsoftplus").index(func),
-                                        HASH=hash, NORM=norm, **pdl(logits), num_warps=4)
+                                        HASH=hash, NORM=norm, num_warps=4, **pdl(logits))
     return w, idx
 
 
@@ -147,7 +147,7 @@ def _order(flat, n_experts, copy=None):
     _pair_order[(pair_programs + triton.cdiv(n_experts, ORDER_BP),)](
         flat.contiguous(), order, inv, counts, x, w, xs, ws, P, n_experts, pair_programs, K, D, BP=ORDER_BP,
         BQ=min(ORDER_BQ, triton.next_power_of_2(P)), COPY=copy is not None,
-        BLOCK_D=min(1024, triton.next_power_of_2(D)), **pdl(flat), num_warps=4)
+        BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4, **pdl(flat))
     return order, inv, counts
 
 

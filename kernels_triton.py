@@ -434,7 +434,7 @@ def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     _hc_pre[(T, 2)](xf, part, ss, scale.contiguous(), base.contiguous(), weight.contiguous() if norm else scale, h,
                     post, comb, T, S, D, norm_eps, hc_eps, out_eps, N=n, NP=triton.next_power_of_2(n), RP=RP,
                     STEPS=2 * iters - 1, SB=min(64, triton.next_power_of_2(S)), BLOCK_D=block, NORM=norm,
-                    **pdl(xf), num_warps=4 if block <= 2048 else 8)
+                    num_warps=4 if block <= 2048 else 8, **pdl(xf))
     return h.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 
