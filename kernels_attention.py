@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from kernels_triton import INTERPRETED, _dot, _gdc, _jit, pdl, tl, triton
+from kernels_triton import INTERPRETED, _dot, _jit, tl, triton
 
 
 # ----------------------------------------------------------------------------- decode attention
@@ -124,11 +124,10 @@ def _finish(acc, cos_ptr, sin_ptr, b, D, dt, HEADS: tl.constexpr, DP: tl.constex
 @_jit
 def _decode_attn(q_ptr, win_ptr, comp_ptr, slot_ptr, wpos_ptr, pos_ptr, cmask_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr,
                  scale, H, D, W, S, n_comp, ratio, HEADS: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-                 F32: tl.constexpr, RH: tl.constexpr, CMASK: tl.constexpr, GDC: tl.constexpr):
+                 F32: tl.constexpr, RH: tl.constexpr, CMASK: tl.constexpr):
     """Sequence program_id(0), heads program_id(1) * HEADS on: q [HEADS, DP] against the L = W + S keys it attends
     (_decode_keep), and the sink; both passes over all of its keys. RH: RoPE undone on the output's last 2 * RH dims
     (0: not)."""
-    _gdc(GDC)
     b = tl.program_id(0).to(tl.int64)
     h, d, hm, dm, q, sink, slot, pos, n_vis = _decode_seq(q_ptr, sink_ptr, slot_ptr, pos_ptr, b, tl.program_id(1), H, D,
                                                           ratio, HEADS, DP)
@@ -146,11 +145,9 @@ def _decode_attn(q_ptr, win_ptr, comp_ptr, slot_ptr, wpos_ptr, pos_ptr, cmask_pt
 @_jit
 def _decode_attn_stats(q_ptr, win_ptr, comp_ptr, slot_ptr, wpos_ptr, pos_ptr, cmask_ptr, sink_ptr, cos_ptr, sin_ptr,
                        stats_ptr, scale, H, D, W, S, n_comp, ratio, SPLITS, HEADS: tl.constexpr, DP: tl.constexpr,
-                       BLOCK_N: tl.constexpr, F32: tl.constexpr, RH: tl.constexpr, CMASK: tl.constexpr,
-                       GDC: tl.constexpr):
+                       BLOCK_N: tl.constexpr, F32: tl.constexpr, RH: tl.constexpr, CMASK: tl.constexpr):
     """Split program_id(2) of the keys (blocks split, split + SPLITS, ...): its max and denominator to stats
     [B, SPLITS, 2, H]."""
-    _gdc(GDC)
     b, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
     h, d, hm, dm, q, sink, slot, pos, n_vis = _decode_seq(q_ptr, sink_ptr, slot_ptr, pos_ptr, b, tl.program_id(1), H, D,
                                                           ratio, HEADS, DP)
@@ -165,10 +162,9 @@ def _decode_attn_stats(q_ptr, win_ptr, comp_ptr, slot_ptr, wpos_ptr, pos_ptr, cm
 def _decode_attn_part(q_ptr, win_ptr, comp_ptr, slot_ptr, wpos_ptr, pos_ptr, cmask_ptr, sink_ptr, cos_ptr, sin_ptr,
                       stats_ptr, part_ptr, scale, H, D, W, S, n_comp, ratio, SPLITS, B, HEADS: tl.constexpr,
                       DP: tl.constexpr, SP: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, RH: tl.constexpr,
-                      CMASK: tl.constexpr, GDC: tl.constexpr):
+                      CMASK: tl.constexpr):
     """Split program_id(2) again: the whole row's max and denominator from every split's stats (added in split
     order), then its blocks' share of the output, fp32, to part [SPLITS, B, H, D]."""
-    _gdc(GDC)
     b, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
     h, d, hm, dm, q, sink, slot, pos, n_vis = _decode_seq(q_ptr, sink_ptr, slot_ptr, pos_ptr, b, tl.program_id(1), H, D,
                                                           ratio, HEADS, DP)
@@ -185,10 +181,9 @@ def _decode_attn_part(q_ptr, win_ptr, comp_ptr, slot_ptr, wpos_ptr, pos_ptr, cma
 
 @_jit
 def _decode_attn_sum(part_ptr, cos_ptr, sin_ptr, out_ptr, B, H, D, SPLITS, HEADS: tl.constexpr, DP: tl.constexpr,
-                     RH: tl.constexpr, GDC: tl.constexpr):
+                     RH: tl.constexpr):
     """Sequence program_id(0), heads program_id(1) * HEADS on: the splits' shares (part [SPLITS, B, H, D] fp32)
     added in split order, finished as one program's output (_finish) into out [B, H, D]."""
-    _gdc(GDC)
     b = tl.program_id(0).to(tl.int64)
     h, d = tl.program_id(1) * HEADS + tl.arange(0, HEADS), tl.arange(0, DP)
     m = (h < H)[:, None] & (d < D)[None, :]
@@ -230,7 +225,7 @@ def decode_attention_triton(q: torch.Tensor, win: torch.Tensor, win_pos: torch.T
     sizes = (scale, H, D, W, S, comp.shape[1], max(ratio, 1))
     meta = dict(HEADS=HEADS, DP=triton.next_power_of_2(D), BLOCK_N=DECODE_BLOCK_N,
                 F32=INTERPRETED or q.dtype == torch.float32, RH=0 if cos is sink else cos.shape[1],
-                CMASK=cmask is not None, num_warps=4, **pdl(q))
+                CMASK=cmask is not None, num_warps=4)
     if splits == 1:
         out = torch.empty_like(q)
         _decode_attn[(B, triton.cdiv(H, HEADS))](*args, out, *sizes, **meta)
@@ -242,7 +237,7 @@ def decode_attention_triton(q: torch.Tensor, win: torch.Tensor, win_pos: torch.T
     _decode_attn_part[grid](*args, stats, part, *sizes, splits, B, SP=triton.next_power_of_2(splits), **meta)
     out = torch.empty_like(q)
     _decode_attn_sum[grid[:2]](part, cos, sin, out, B, H, D, splits, HEADS=HEADS, DP=meta["DP"], RH=meta["RH"],
-                               num_warps=4, **pdl(q))
+                               num_warps=4)
     return out
 
 

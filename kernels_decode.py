@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from kernels_triton import INTERPRETED, _dot, _gdc, _jit, pdl, tl, triton
+from kernels_triton import INTERPRETED, _dot, _jit, tl, triton
 
 
 # ----------------------------------------------------------------------------- a decode step's routed experts
@@ -55,12 +55,11 @@ def _expert_rows(offs_ptr, e, R, NT, SB, SHARED: tl.constexpr, BLOCK_M: tl.const
 @_jit
 def _experts_up(x_ptr, w13_ptr, ws_ptr, offs_ptr, h_ptr, tok_ptr, s1_ptr, s3_ptr, D, I, R, NT, SB, limit,
                 CLAMP: tl.constexpr, F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Expert program_id(0), columns program_id(1) * BLOCK_N on of h [R (+ NT), I] = silu(g) * u * ws, g and u its
     rows times w13's gate rows (0..I-1) and up rows (I..2I-1), each rounded to h's dtype as the grouped GEMM's output
     is. SHARED: the first SB programs are the shared expert's, its rows the tokens tok [NT, D], its weights s1 and s3
     [I, D], its routing weight 1 (h rows R.. R + NT)."""
-    _gdc(GDC)
     e = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
@@ -93,10 +92,9 @@ def _experts_up(x_ptr, w13_ptr, ws_ptr, offs_ptr, h_ptr, tok_ptr, s1_ptr, s3_ptr
 
 @_jit
 def _experts_down(h_ptr, w2_ptr, offs_ptr, out_ptr, s2_ptr, D, I, R, NT, SB, F32: tl.constexpr, SHARED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Expert program_id(0), columns program_id(1) * BLOCK_N on of out [R (+ NT), D] = h times the expert's w2
     [D, I]; SHARED: the first SB programs the shared expert's rows R.. R + NT times s2 [D, I]."""
-    _gdc(GDC)
     e = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < D
@@ -149,10 +147,9 @@ def experts_triton(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, w13: 
     _experts_up[(SB + E, triton.cdiv(I, bn))](xs, w13, ws.float().contiguous(), offs.contiguous(), h, tok, s1, s3,
                                               D, I, R, NT, SB, float(limit), CLAMP=bool(limit), F32=f32,
                                               SHARED=shared, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
-                                              num_stages=4, **pdl(xs))
+                                              num_stages=4)
     _experts_down[(SB + E, triton.cdiv(D, bn))](h, w2, offs, out, s2, D, I, R, NT, SB, F32=f32, SHARED=shared,
-                                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4,
-                                                **pdl(xs))
+                                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4)
     return out
 
 
@@ -176,9 +173,8 @@ def _srl(x, k: tl.constexpr):
 
 
 @_jit
-def _sample_sums(logits_ptr, temp_ptr, part_ptr, V, CHUNK, S, BLOCK: tl.constexpr, GDC: tl.constexpr):
+def _sample_sums(logits_ptr, temp_ptr, part_ptr, V, CHUNK, S, BLOCK: tl.constexpr):
     """Row program_id(0), chunk program_id(1): the max and sum of exp(x - max) of x = logits / temperature."""
-    _gdc(GDC)
     b, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t, end = tl.load(temp_ptr + b), tl.minimum(V, s * CHUNK + CHUNK)
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -197,10 +193,9 @@ def _sample_sums(logits_ptr, temp_ptr, part_ptr, V, CHUNK, S, BLOCK: tl.constexp
 
 @_jit
 def _sample_pick(logits_ptr, temp_ptr, greedy_ptr, draws_ptr, part_ptr, best_ptr, idx_ptr, lp_ptr, V, CHUNK, S,
-                 SP: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+                 SP: tl.constexpr, BLOCK: tl.constexpr):
     """Row program_id(0), chunk program_id(1): the row's log-sum-exp from the chunks' sums, then the chunk's first
     token with the highest score (logprob, + Gumbel noise when sampled), the score and the token's logprob."""
-    _gdc(GDC)
     b, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i = tl.arange(0, SP)
     m_i = tl.load(part_ptr + (b * S + i) * 2, mask=i < S, other=float("-inf"))
@@ -245,9 +240,9 @@ def sample_triton(logits, temp, greedy, draws, chunk=SAMPLE_CHUNK):
     part = logits.new_empty(B, S, 2)
     best, idx, lp = logits.new_empty(B, S, dtype=torch.float64), draws.new_empty(B, S), logits.new_empty(B, S)
     args = (logits.contiguous(), temp.float().contiguous())
-    _sample_sums[(B, S)](*args, part, V, chunk, S, BLOCK=block, num_warps=4, **pdl(part))
+    _sample_sums[(B, S)](*args, part, V, chunk, S, BLOCK=block, num_warps=4)
     _sample_pick[(B, S)](*args, greedy.contiguous().view(torch.uint8), draws.contiguous(), part, best, idx, lp, V,
-                         chunk, S, SP=triton.next_power_of_2(S), BLOCK=block, num_warps=4, **pdl(part))
+                         chunk, S, SP=triton.next_power_of_2(S), BLOCK=block, num_warps=4)
     j = best.argmax(1, keepdim=True)  # the first chunk of equal scores
     return torch.stack([idx.gather(1, j)[:, 0].double(), lp.gather(1, j)[:, 0].double()])
 
@@ -261,10 +256,9 @@ def sample_triton(logits, temp, greedy, draws, chunk=SAMPLE_CHUNK):
 
 @_jit
 def _q_norm_rope(q_ptr, cos_ptr, sin_ptr, out_ptr, H, d, eps, RH: tl.constexpr, DP: tl.constexpr,
-                 HB: tl.constexpr, GDC: tl.constexpr):
+                 HB: tl.constexpr):
     """Token program_id(0), heads program_id(1) * HB..: q [N, H, d] -> out [N, H, d]; cos, sin [N, RH] fp32 (RH pairs
     on the last 2 * RH dims)."""
-    _gdc(GDC)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HB + tl.arange(0, HB)
     c, j = tl.arange(0, DP), tl.arange(0, RH)
@@ -292,7 +286,7 @@ def q_norm_rope_triton(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ep
     out = torch.empty_like(q)
     hb = min(4, triton.next_power_of_2(H))
     _q_norm_rope[(B * T, triton.cdiv(H, hb))](q.contiguous(), cos, sin, out, H, d, eps, RH=cos.shape[1],
-                                              DP=triton.next_power_of_2(d), HB=hb, num_warps=4, **pdl(q))
+                                              DP=triton.next_power_of_2(d), HB=hb, num_warps=4)
     return out
 
 
@@ -307,10 +301,9 @@ q_norm_rope_triton.register_fake(lambda q, *rest: torch.empty_like(q))
 
 @_jit
 def _window_kv(kv_ptr, w_ptr, cos_ptr, sin_ptr, win_ptr, wpos_ptr, slot_ptr, pos_ptr, row, W, d, eps,
-               RH: tl.constexpr, DP: tl.constexpr, GDC: tl.constexpr):
+               RH: tl.constexpr, DP: tl.constexpr):
     """Sequence program_id(0): kv [B, d] (rows `row` apart) -> win[slot, pos % W] ([slots, W, d]), and pos into
     win_pos[slot, pos % W]; w [d] fp32, cos, sin [B, RH] fp32."""
-    _gdc(GDC)
     t = tl.program_id(0).to(tl.int64)
     slot, pos = tl.load(slot_ptr + t), tl.load(pos_ptr + t)
     c, j = tl.arange(0, DP), tl.arange(0, RH)
@@ -339,8 +332,7 @@ def window_kv_triton(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, 
     kv = kv if kv.stride(1) == 1 else kv.contiguous()
     cos, sin = cos.reshape(B, -1).float().contiguous(), sin.reshape(B, -1).float().contiguous()
     _window_kv[(B,)](kv, weight.float().contiguous(), cos, sin, win, win_pos, slots.contiguous(), pos.contiguous(),
-                     kv.stride(0), win.shape[1], d, eps, RH=cos.shape[1], DP=triton.next_power_of_2(d), num_warps=4,
-                     **pdl(kv))
+                     kv.stride(0), win.shape[1], d, eps, RH=cos.shape[1], DP=triton.next_power_of_2(d), num_warps=4)
 
 
 window_kv_triton.register_fake(lambda *args: None)
@@ -395,12 +387,10 @@ def _pool(st_kv_ptr, st_score_ptr, prev_kv_ptr, prev_score_ptr, ape_ptr, slot, m
 @_jit
 def _compress_step(kv_ptr, score_ptr, st_kv_ptr, st_score_ptr, prev_kv_ptr, prev_score_ptr, ape_ptr, w_ptr, cos_ptr,
                    sin_ptr, out_ptr, slot_ptr, pos_ptr, row, m, d, n_out, eps, OVERLAP: tl.constexpr,
-                   WP: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BR: tl.constexpr, RH: tl.constexpr,
-                   GDC: tl.constexpr):
+                   WP: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BR: tl.constexpr, RH: tl.constexpr):
     """Sequence program_id(0): its kv, score rows ([B, width], `row` apart) to its window's row pos % m; if that
     completes the window, the pooled entry normed (weight w), rotated by cos, sin ([B, RH], the window's first
     position) into out[slot, pos // m] ([slots, n_out, d]), and with OVERLAP the window's first-half rows to prev."""
-    _gdc(GDC)
     t = tl.program_id(0).to(tl.int64)
     slot, pos = tl.load(slot_ptr + t), tl.load(pos_ptr + t)
     width = 2 * d if OVERLAP else d
@@ -456,7 +446,7 @@ def compress_step_triton(kv: torch.Tensor, score: torch.Tensor, st_kv: torch.Ten
     _compress_step[(B,)](kv, score, st_kv, st_score, prev_kv, prev_score, ape.contiguous(), weight.float().contiguous(),
                          cos, sin, out, slots.contiguous(), pos.contiguous(), kv.stride(0), m, d, out.shape[1], eps,
                          OVERLAP=width == 2 * d, WP=triton.next_power_of_2(width), DP=triton.next_power_of_2(d),
-                         MP=MP, BR=min(MP, COMPRESS_ROWS), RH=cos.shape[1], num_warps=4, **pdl(kv))
+                         MP=MP, BR=min(MP, COMPRESS_ROWS), RH=cos.shape[1], num_warps=4)
 
 
 COMPRESS_ROWS = 16  # rows of the window a pooling pass loads at once

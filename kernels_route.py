@@ -11,7 +11,7 @@ interpreter without a GPU, before triton is imported).
 """
 import torch
 
-from kernels_triton import _gdc, _jit, pdl, tl, triton
+from kernels_triton import _jit, tl, triton
 
 
 # ----------------------------------------------------------------------------- a decode step's routing
@@ -35,12 +35,10 @@ def _log1p(y):
 
 @_jit
 def _route(logits_ptr, table_ptr, ids_ptr, w_ptr, idx_ptr, N, E, row, scale, K: tl.constexpr, KP: tl.constexpr,
-           EP: tl.constexpr, BT: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr,
-           GDC: tl.constexpr):
+           EP: tl.constexpr, BT: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr):
     """Tokens program_id(0) * BT..: logits [N, E] fp32 (rows `row` apart) -> w [N, K] fp32, idx [N, K] int64. FUNC 0
     softmax, 1 sigmoid, 2 sqrt(softplus); HASH: idx = table[ids[t]] (table [vocab, K]), else the top K of score +
     table (the bias [E])."""
-    _gdc(GDC)
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     e, j = tl.arange(0, EP), tl.arange(0, KP)
     tm, em = t < N, e < E
@@ -89,7 +87,7 @@ def route_triton(logits: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, k
     _route[(triton.cdiv(N, ROUTE_BT),)](logits, table.contiguous(), ids.contiguous(), w, idx, N, E, logits.stride(0),
                                         scale, K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E),
                                         BT=ROUTE_BT, FUNC=("softmax", "sigmoid", "sqrtsoftplus").index(func),
-                                        HASH=hash, NORM=norm, num_warps=4, **pdl(logits))
+                                        HASH=hash, NORM=norm, num_warps=4)
     return w, idx
 
 
@@ -99,12 +97,11 @@ route_triton.register_fake(lambda logits, table, ids, k, *rest: (
 
 @_jit
 def _pair_order(flat_ptr, order_ptr, inv_ptr, count_ptr, x_ptr, w_ptr, xs_ptr, ws_ptr, P, E, PAIR_PROGRAMS, K, D,
-                BP: tl.constexpr, BQ: tl.constexpr, COPY: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr):
+                BP: tl.constexpr, BQ: tl.constexpr, COPY: tl.constexpr, BLOCK_D: tl.constexpr):
     """Programs below PAIR_PROGRAMS: pairs p = program_id(0) * BP.. get row inv[p] = the pairs of lower experts plus
     those of p's expert before p, and order[inv[p]] = p; COPY: also xs[inv[p]] = x[p // K] ([N, D] rows) and
     ws[inv[p]] = w[p]. The others: experts e.. get count[e], their pairs. The other pairs are read BQ at a time: all
     of a decode step's in one load (up to ORDER_BQ)."""
-    _gdc(GDC)
     pid = tl.program_id(0)
     q0 = tl.arange(0, BQ)
     if pid < PAIR_PROGRAMS:
@@ -147,7 +144,7 @@ def _order(flat, n_experts, copy=None):
     _pair_order[(pair_programs + triton.cdiv(n_experts, ORDER_BP),)](
         flat.contiguous(), order, inv, counts, x, w, xs, ws, P, n_experts, pair_programs, K, D, BP=ORDER_BP,
         BQ=min(ORDER_BQ, triton.next_power_of_2(P)), COPY=copy is not None,
-        BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4, **pdl(flat))
+        BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4)
     return order, inv, counts
 
 

@@ -17,7 +17,6 @@ Each is a torch.library custom op, so torch.compile keeps it as it is and a CUDA
 torch's GPU builds (CUDA and ROCm). Without a GPU, Triton's interpreter runs the same kernels on CPU tensors: the
 tests use that; the model takes the reference there (has_triton).
 """
-import functools
 import os
 from typing import Optional
 
@@ -50,35 +49,6 @@ def has_triton(t):
     """Whether the model takes the Triton kernels for t: Triton is installed and t is on a GPU. (On a CPU the
     references are faster than Triton's interpreter, which the tests run the kernels through.)"""
     return triton is not None and t.is_cuda
-
-
-# Programmatic dependent launch (PDL; NVIDIA, Hopper on): a decode kernel launched with it may be put on the SMs while
-# the kernel before it in the stream still runs, and waits there (gdc_wait, its first step) until that kernel's writes
-# are done; it then lets the next one be placed (gdc_launch_dependents). A decode step is ~340 kernels of a few us, so
-# each one's start is a share of the step worth overlapping. Off unless NANO_DSV4_PDL=1, until measured on a GPU.
-PDL = os.environ.get("NANO_DSV4_PDL") == "1"
-
-
-def pdl(t):
-    """The launch keywords of a decode kernel on t's device: GDC=True (the kernel's constexpr, for _gdc) and
-    launch_pdl where PDL is on and the device has it, else GDC=False."""
-    return {"GDC": True, "launch_pdl": True} if PDL and pdl_capable(t.device) else {"GDC": False}
-
-
-@functools.cache
-def pdl_capable(device):
-    return (triton is not None and not INTERPRETED and device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-@_jit
-def _gdc(GDC: tl.constexpr):
-    """A decode kernel's first step: with GDC (a PDL launch), wait for the previous kernel's writes, then let the
-    next kernel start. Every memory access of the kernel comes after it: the one before may still read what this
-    one writes."""
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @_jit
@@ -318,10 +288,9 @@ HC_BT, HC_BK = 16, 128  # the GEMM's tile: tokens x K
 
 @_jit
 def _hc_mix_parts(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, DOT: tl.constexpr, GDC: tl.constexpr):
+                  BK: tl.constexpr, DOT: tl.constexpr):
     """Tokens block program_id(0), K block s = program_id(1): part[s, t, :R] = x[t, k] @ fn[:, k].T and
     ss[s, t] = sum of x[t, k]^2 over the block's k, fp32 (DOT: tl.dot's input_precision, hc_dot)."""
-    _gdc(GDC)
     s = tl.program_id(1)
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     k, r = s * BK + tl.arange(0, BK), tl.arange(0, RP)
@@ -359,14 +328,13 @@ def _hc_partials(part_ptr, ss_ptr, t, T, S, N: tl.constexpr, NP: tl.constexpr, R
 @_jit
 def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, T, S, D, norm_eps, hc_eps,
             out_eps, N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, STEPS: tl.constexpr, SB: tl.constexpr,
-            BLOCK_D: tl.constexpr, NORM: tl.constexpr, GDC: tl.constexpr):
+            BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     """Token program_id(0), from its S partials, the same steps as mhc.hc_mixes, hc_split_sinkhorn and Block.hc_pre's
     sum. Two programs a token, which run side by side: program_id(1) 0 the sublayer's input h [D] (with NORM, then
     BLOCK_D >= D: through RMSNorm's steps, weight nw and eps out_eps, after its rounding to h's dtype) and post [N];
     1 comb [N, N], the Sinkhorn's 2 * iters - 1 steps in registers (as _sinkhorn_fwd, a tile of one token), which
     had taken half of the one program's time (session 26). The streams' first BLOCK_D channels (all of them for D
     <= BLOCK_D) are loaded before the partials, so that the two loads overlap."""
-    _gdc(GDC)
     t = tl.program_id(0).to(tl.int64)
     i, d = tl.arange(0, NP), tl.arange(0, BLOCK_D)
     im, cm = i < N, (i[:, None] < N) & (i[None, :] < N)
@@ -425,8 +393,7 @@ def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     RP, S = max(16, triton.next_power_of_2(R)), triton.cdiv(K, HC_BK)  # tl.dot's tiles are 16 wide at least
     part, ss = xf.new_empty(S, T, RP, dtype=torch.float32), xf.new_empty(S, T, dtype=torch.float32)
     _hc_mix_parts[(triton.cdiv(T, HC_BT), S)](xf, fn.contiguous(), part, ss, T, K, R=R, RP=RP, BT=HC_BT, BK=HC_BK,
-                                             DOT=hc_dot("hip" if torch.version.hip else "cuda"), num_warps=4,
-                                             **pdl(xf))
+                                             DOT=hc_dot("hip" if torch.version.hip else "cuda"), num_warps=4)
     post, comb = xf.new_empty(T, n, dtype=torch.float32), xf.new_empty(T, n, n, dtype=torch.float32)
     h = x.new_empty(T, D)
     norm = weight is not None
@@ -434,7 +401,7 @@ def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     _hc_pre[(T, 2)](xf, part, ss, scale.contiguous(), base.contiguous(), weight.contiguous() if norm else scale, h,
                     post, comb, T, S, D, norm_eps, hc_eps, out_eps, N=n, NP=triton.next_power_of_2(n), RP=RP,
                     STEPS=2 * iters - 1, SB=min(64, triton.next_power_of_2(S)), BLOCK_D=block, NORM=norm,
-                    num_warps=4 if block <= 2048 else 8, **pdl(xf))
+                    num_warps=4 if block <= 2048 else 8)
     return h.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 

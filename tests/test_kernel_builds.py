@@ -22,9 +22,8 @@ def test_kernels_compile_for_h200_and_mi355x():
     shared expert and without; the compressor's step with and without overlap; the sampler's two kernels; hc_pre's
     two at bench_2b's sizes (the mixes' tl.dot in each backend's precision, kernels_triton.hc_dot; the second with
     the sublayer's norm and without); the router (hash and learned, 256 experts) and the pairs' ordering (with the
-    rows' copy and without); the query's norm and RoPE and the window key's write at head dim 512. The decode kernels
-    with programmatic dependent launch's wait for the H200 (kernels_triton.pdl), without for the MI355X. In a subprocess per backend:
-    this process's kernels are interpreted."""
+    rows' copy and without); the query's norm and RoPE and the window key's write at head dim 512. In a subprocess per
+    backend: this process's kernels are interpreted."""
     code = """
 import sys
 import kernels_attention as ka, kernels_decode as kd, kernels_route as kr, kernels_triton as kt, triton
@@ -78,14 +77,10 @@ for fn, consts, scalars, bf16, warps in kernels:
     ptrs = {a: "*bf16" if a in bf16 else scalars.get(a, "*fp32") for a in fn.arg_names if a.endswith("_ptr")}
     sig = {**ptrs, **{a: t for a, t in scalars.items() if a in fn.arg_names}}
     consts = {**consts, "DOT": kt.hc_dot(target.backend)} if "DOT" in consts else consts  # per backend
-    if "GDC" in fn.arg_names:  # the decode kernels: PDL's wait on NVIDIA (kernels_triton.pdl), none on AMD
-        consts = {**consts, "GDC": target.backend == "cuda"}
     sig.update({a: "constexpr" for a in consts})
     src = ASTSource(fn, sig, constexprs=consts)
-    pdl = {"launch_pdl": True} if consts.get("GDC") else {}
-    asm = triton.compile(src, target=target, options={"num_warps": warps, **pdl}).asm
+    asm = triton.compile(src, target=target, options={"num_warps": warps}).asm
     assert binary in asm, (target, fn)
-    assert not pdl or "griddepcontrol.wait" in asm["ptx"], fn
     print(target.arch, fn.__name__, "compiled")
 """
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # a process per backend, side by side (~85 s one after the other)

@@ -56,28 +56,6 @@ def test_engine_cuda_graphs_equal_eager_and_forward():
 
 
 
-@pytest.mark.skipif(not (CUDA and torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9),
-                    reason="programmatic dependent launch: NVIDIA, Hopper on")
-def test_pdl_decode_equals_plain_launches(monkeypatch):
-    """The decode kernels launched with programmatic dependent launch (kernels_triton.pdl: each may start while the
-    kernel before it runs, and waits for its writes first) give the plain launches' tokens and logprobs, bit for bit:
-    the same kernels in the same order, so any difference is a read before a write landed. Greedy, CUDA graphs (the
-    launches captured as the engine replays them), SMALL's window, CSA and HCA layers."""
-    import kernels_triton
-    from engine import Engine, SamplingParams
-    model = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
-                       SMALL.num_experts_per_tok, seed=8).set_dtype(torch.bfloat16).cuda().set_kernels(True)
-    gen = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(2, SMALL.vocab_size, (n,), generator=gen).tolist() for n in (5, 37, 64, 20)]
-    params = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
-    runs = []
-    for on in (False, True):
-        monkeypatch.setattr(kernels_triton, "PDL", on)
-        assert kernels_triton.pdl(torch.zeros(1, device="cuda"))["GDC"] == on
-        runs.append(Engine(model, max_batch=4, max_len=160, cuda_graphs=True).generate(prompts, [params] * 4))
-    for a, b in zip(*runs):
-        assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs
-
 def test_stacked_experts_train_in_place():
     """Training with the experts' weights stacked (Transformer.stack_experts, the parameters views of the stacks):
     the optimizer's steps write through the views, so the stacks stay the parameters' storage, and after two steps
