@@ -154,7 +154,8 @@ def bench_decode(ours, ref, args, device, versions):
     from engine import Engine, SamplingParams
     prompts = torch.randint(2, args.vocab_size, (cli.batch, cli.seq), device=device)
     engine = Engine(ours, max_batch=cli.batch, max_len=cli.seq + cli.new_tokens)
-    ref.eval()
+    if ref is not None:
+        ref.eval()
 
     def run_ours(n):
         sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
@@ -199,11 +200,20 @@ def bench_decode(ours, ref, args, device, versions):
     run_ours(1)
     sync(device)
     t_prefill = time.perf_counter() - t0
-    # the floor of one step at the mean context length
+    # the floor of one step at the mean context length. The experts it reads: those the batch's tokens pick in one
+    # eager forward (at position 0; hooks do not run inside the compiled layers); uniform routing would pick
+    # E (1 - (1 - K / E)^B) of a layer's E experts
+    picked = {}
+    keep = lambda i: lambda gate, inputs, out: picked.setdefault(i, set()).update(out[1].unique().tolist())
+    hooks = [layer.ffn.gate.register_forward_hook(keep(i)) for i, layer in ours.layers.items()]
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"), ours.numerics():
+        ours(prompts[:, :1])
+    for h in hooks:
+        h.remove()
     E, K, B = args.n_routed_experts, args.num_experts_per_tok, cli.batch
-    touched = E * (1 - (1 - K / E) ** B)  # expected experts hit by B tokens' K picks (uniform routing)
-    w_bytes = sum(p.numel() * p.element_size() * (touched / E if ".experts." in n else 1)
-                  for n, p in ours.named_parameters() if not n.startswith(("embed.", "mtp.")))
+    is_read = lambda n: ".experts." not in n or int(n.split(".")[4]) in picked[n.split(".")[1]]  # layers.L.ffn.experts.E
+    w_bytes = sum(p.numel() * p.element_size() for n, p in ours.named_parameters()
+                  if not n.startswith(("embed.", "mtp.")) and is_read(n))
     ctx, kv_el = cli.seq + cli.new_tokens / 2, args.head_dim * ours.dtype.itemsize
     kv = sum(min(ctx, args.sliding_window) + (0 if r == 0 else min(ctx / r, args.index_topk) if r == 4 else ctx / r)
              + (ctx / 4 * args.index_head_dim / args.head_dim if r == 4 else 0)  # the indexer reads every key
@@ -255,6 +265,8 @@ def bench_decode(ours, ref, args, device, versions):
             engine.step()
         if cli.trace:
             prof.export_chrome_trace(cli.trace.replace(".json", "") + ".loop.json")
+    print(f"  experts picked a layer: {sum(map(len, picked.values())) / len(picked):.1f} of {E} (uniform routing: "
+          f"{E * (1 - (1 - K / E) ** B):.1f})")
     print(f"  floor: {w_bytes / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV per step at {bw / 1e12:.2f} TB/s copy "
           f"bandwidth = {floor * 1e3:.2f} ms/step; ours {times['nano-dsv4-rl'] / cli.new_tokens / floor:.1f}x the floor")
 
@@ -420,7 +432,9 @@ if __name__ == "__main__":
     args.num_nextn_predict_layers = 0  # transformers has no MTP; compare the trunk
     args.compress_ratios = args.compress_ratios[:args.num_hidden_layers]
     torch.manual_seed(0)
-    ours = Transformer(copy.deepcopy(args), dtype=dtype).to(device)
+    with torch.device("meta"):  # then made on the device and drawn there: Flash's widths are ~13 GB a layer in bf16
+        ours = Transformer(copy.deepcopy(args), dtype=dtype)  # (--model=config/models/flash.json --layers=N)
+    ours.to_empty(device=device).init_weights(draw_on=device)
     ours.set_kernels(cli.kernels == "fast" or (cli.kernels == "auto" and device.type == "cuda"))
     if cli.what == "mismatch":
         from compare_logprobs import wide_init_
@@ -429,9 +443,11 @@ if __name__ == "__main__":
         raise SystemExit
     import transformers
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    with tempfile.TemporaryDirectory() as d:
-        save_pretrained(ours, d)
-        ref = transformers.DeepseekV4ForCausalLM.from_pretrained(d, dtype=dtype).to(device).train()
+    ref = None
+    if not (cli.what == "decode" and cli.no_peer):  # the peer: a copy of ours, through a checkpoint on disk
+        with tempfile.TemporaryDirectory() as d:
+            save_pretrained(ours, d)
+            ref = transformers.DeepseekV4ForCausalLM.from_pretrained(d, dtype=dtype).to(device).train()
     dev = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     versions = f"{dev}, torch {torch.__version__}, transformers {transformers.__version__}"
     if cli.what == "decode":

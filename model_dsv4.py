@@ -799,18 +799,19 @@ class Transformer(nn.Module):
         self.set_dtype(dtype)
 
     @torch.no_grad()
-    def init_weights(self, seed=0):
+    def init_weights(self, seed=0, draw_on="cpu"):
         """From-scratch init of every tensor: normal(0, initializer_range) matrices, unit norms and mHC scales,
         zero biases, sinks and ape, a hash table with distinct experts per row. Each tensor draws from a
         generator seeded by its name, so a pipeline stage or an expert shard gets exactly the values the
-        whole model would."""
+        whole model would. draw_on: the device whose generator draws (the CPU's give every machine the same
+        values; a GPU's draw a model of tens of GB in seconds, other values: bench.py)."""
         for name, t in list(self.named_parameters()) + list(self.named_buffers()):
-            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            g = torch.Generator(draw_on).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             if name.endswith("tid2eid"):
                 E, K = self.args.n_routed_experts, self.args.num_experts_per_tok
-                t.copy_(torch.rand(t.shape[0], E, generator=g).argsort(dim=-1)[:, :K])
+                t.copy_(torch.rand(t.shape[0], E, generator=g, device=draw_on).argsort(dim=-1)[:, :K])
             elif t.dim() == 2 and not name.endswith("ape"):
-                t.copy_(torch.randn(t.shape, generator=g) * self.args.initializer_range)
+                t.copy_(torch.randn(t.shape, generator=g, device=draw_on) * self.args.initializer_range)
             elif name.endswith("norm.weight") or name.endswith("_scale"):
                 t.fill_(1.0)
             else:  # mHC bases, sinks, ape, router bias

@@ -1,5 +1,9 @@
 """The KV-cache engine against the training forward, and its sampling semantics."""
 import copy
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -172,3 +176,15 @@ def test_bf16_engine_close_to_bf16_forward():
     r = engine.generate([list(range(2, 50))], SamplingParams(max_new_tokens=30, ignore_eos=True, seed=0))[0]
     diff = (forward_logprobs(model, r) - torch.tensor(r.output_logprobs)).abs()
     assert diff.mean().item() < 0.05, diff.mean().item()
+
+
+def test_decode_bench_counts_the_experts_a_step_reads():
+    """bench.py --what=decode takes the floor's expert bytes from the experts the batch's tokens pick, found by an
+    eager forward with a hook on each router: 4 tokens of 4 picks each pick 4 to 16 of tiny's 16 experts a layer."""
+    run = subprocess.run([sys.executable, "bench.py", "--what=decode", "--batch=4", "--seq=8", "--new_tokens=4",
+                          "--no_peer"], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    picked = re.search(r"experts picked a layer: ([\d.]+) of 16 \(uniform routing: ([\d.]+)\)", run.stdout)
+    assert picked and 4 <= float(picked[1]) <= 16 and float(picked[2]) == 10.9, run.stdout
+    assert re.search(r"= [\d.]+ ms/step; ours [\d.]+x the floor", run.stdout), run.stdout
