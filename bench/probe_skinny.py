@@ -11,6 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kernels_torch import mm_f32  # noqa: E402
 from kernels_triton import INTERPRETED, _dot, _jit, tl, triton  # noqa: E402
 from probe_timing import graph_us  # noqa: E402
 
@@ -43,20 +44,17 @@ def _sum(p_ptr, y_ptr, MN, spg, syg, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(y_ptr + g * syg + i, acc.to(y_ptr.dtype.element_ty), mask=i < MN)
 
 
-def mm(x, w, out_dtype, BN, BK, SPLIT, STAGES, warps):
-    """x [G, M, K] @ w[G, N, K].T -> [G, M, N]."""
+def mm(x, w, out_dtype, BN, BK, SPLIT, STAGES):
+    """x [G, M, K] @ w[G, N, K].T -> [G, M, N]; over SPLIT > 1 blocks of K, fp32 partials added in order by _sum."""
     G, M, K = x.shape
     N = w.shape[1]
     y = x.new_empty(G, M, N, dtype=out_dtype)
-    grid = (triton.cdiv(N, BN), G, SPLIT)
-    if SPLIT == 1:
-        _mm[grid](x, w, y, M, N, K, M * K, N * K, M * N, BM=max(16, triton.next_power_of_2(M)), BN=BN, BK=BK,
-                  SPLIT=1, STAGES=STAGES, INTERP=INTERPRETED, num_warps=warps)
-        return y
-    p = x.new_empty(G, SPLIT, M, N, dtype=torch.float32)
-    _mm[grid](x, w, p, M, N, K, M * K, N * K, SPLIT * M * N, BM=max(16, triton.next_power_of_2(M)), BN=BN, BK=BK,
-              SPLIT=SPLIT, STAGES=STAGES, INTERP=INTERPRETED, num_warps=warps)
-    _sum[(triton.cdiv(M * N, 1024), G)](p, y, M * N, SPLIT * M * N, M * N, SPLIT=SPLIT, BLOCK=1024, num_warps=4)
+    dst = y if SPLIT == 1 else x.new_empty(G, SPLIT, M, N, dtype=torch.float32)
+    _mm[(triton.cdiv(N, BN), G, SPLIT)](x, w, dst, M, N, K, M * K, N * K, SPLIT * M * N,
+                                        BM=max(16, triton.next_power_of_2(M)), BN=BN, BK=BK, SPLIT=SPLIT,
+                                        STAGES=STAGES, INTERP=INTERPRETED, num_warps=4)
+    if SPLIT > 1:
+        _sum[(triton.cdiv(M * N, 1024), G)](dst, y, M * N, SPLIT * M * N, M * N, SPLIT=SPLIT, BLOCK=1024, num_warps=4)
     return y
 
 
@@ -75,37 +73,30 @@ if not torch.cuda.is_available():
     sys.exit("a timing probe for a GPU")
 print(f"skinny GEMMs, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
       flush=True)
-for M in (64,):
-    total_cublas = total_ours = 0.0
-    for name, G, N, K, odt, times in SHAPES:
-        x = torch.randn(G, M, K, device="cuda").bfloat16()
-        w = (torch.randn(G, N, K, device="cuda") / K ** 0.5).bfloat16()
-        ref = torch.bmm(x.float(), w.float().transpose(1, 2))
-        if G == 1:
-            cublas = (lambda x=x, w=w, odt=odt: torch.mm(x[0], w[0].T, out_dtype=odt)) if odt != torch.bfloat16 \
-                else (lambda x=x, w=w: torch.mm(x[0], w[0].T))
-        else:
-            cublas = lambda x=x, w=w: torch.bmm(x, w.transpose(1, 2))
-        try:
-            t_cublas = graph_us(cublas)
-        except Exception as e:  # out_dtype needs a newer torch
-            cublas = lambda x=x, w=w, odt=odt: torch.mm(x[0].float(), w[0].float().T).to(odt)
-            t_cublas = graph_us(cublas)
-            print(f"  ({name}: cuBLAS in fp32: {type(e).__name__})")
-        results = []
-        for BN, BK, SPLIT, STAGES, warps in itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4), (2, 3, 4),
-                                                              (4,)):
-            if (N * G // BN * SPLIT < 32 and BN > 16) or K // BK < SPLIT or (BN * BK > 64 * 128 and STAGES > 3):
-                continue
-            f = lambda: mm(x, w, odt, BN, BK, SPLIT, STAGES, warps)
-            err = (f().float() - ref).abs().max().item()
-            results.append((graph_us(f), BN, BK, SPLIT, STAGES, warps, err))
-        results.sort()
-        t, *cfg, err = results[0]
-        mb = G * N * K * 2 / 1e6
-        print(f"  {name:28s} {mb:7.1f} MB: cuBLAS {t_cublas:6.1f} us ({mb / t_cublas:4.2f} TB/s), Triton {t:6.1f} us "
-              f"({mb / t:4.2f} TB/s; BN {cfg[0]} BK {cfg[1]} split {cfg[2]} stages {cfg[3]}; max err {err:.1e}); "
-              f"next: " + ", ".join(f"{r[0]:.1f} us {r[1:6]}" for r in results[1:4]), flush=True)
-        total_cublas += times * t_cublas
-        total_ours += times * t
-    print(f"  a step's GEMMs at {M} tokens: cuBLAS {total_cublas:.0f} us, Triton {total_ours:.0f} us")
+M = 64  # a decode step's tokens at batch 64
+total_cublas = total_ours = 0.0
+for name, G, N, K, odt, times in SHAPES:
+    x = torch.randn(G, M, K, device="cuda").bfloat16()
+    w = (torch.randn(G, N, K, device="cuda") / K ** 0.5).bfloat16()
+    ref = torch.bmm(x.float(), w.float().transpose(1, 2))
+    wt = w.transpose(1, 2) if G > 1 else w[0].T  # the model's GEMMs as they run: mm_f32 where it takes fp32 out
+    xs = x if G > 1 else x[0]
+    gemm = mm_f32 if odt == torch.float32 else torch.bmm if G > 1 else torch.mm
+    cublas = lambda gemm=gemm, xs=xs, wt=wt: gemm(xs, wt)
+    t_cublas = graph_us(cublas)
+    results = []
+    for BN, BK, SPLIT, STAGES in itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4), (2, 3, 4)):
+        if (N * G // BN * SPLIT < 32 and BN > 16) or K // BK < SPLIT or (BN * BK > 64 * 128 and STAGES > 3):
+            continue
+        f = lambda: mm(x, w, odt, BN, BK, SPLIT, STAGES)
+        err = (f().float() - ref).abs().max().item()
+        results.append((graph_us(f), BN, BK, SPLIT, STAGES, err))
+    results.sort()
+    t, *cfg, err = results[0]
+    mb = G * N * K * 2 / 1e6
+    print(f"  {name:28s} {mb:7.1f} MB: cuBLAS {t_cublas:6.1f} us ({mb / t_cublas:4.2f} TB/s), Triton {t:6.1f} us "
+          f"({mb / t:4.2f} TB/s; BN {cfg[0]} BK {cfg[1]} split {cfg[2]} stages {cfg[3]}; max err {err:.1e}); "
+          f"next: " + ", ".join(f"{r[0]:.1f} us {r[1:5]}" for r in results[1:4]), flush=True)
+    total_cublas += times * t_cublas
+    total_ours += times * t
+print(f"  a step's GEMMs at {M} tokens: cuBLAS {total_cublas:.0f} us, Triton {total_ours:.0f} us")
