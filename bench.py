@@ -21,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import compile_policy
 import grpo
 import parallel
 from checkpoint import save_pretrained
@@ -38,9 +39,9 @@ p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--bucket_mb", type=float, default=512, help="sync: bucket size (distributed, tensor transports)")
 p.add_argument("--tmp", default=None, help="sync: directory for the disk transport (default: the system's temp dir)")
 p.add_argument("--kernels", default="auto", choices=["auto", "fast", "reference"],
-               help="kernels_torch.py's fast paths (auto: on a GPU) or the plain reference")
+               help="dsv4_kernels/fast.py's fast paths (auto: on a GPU) or the plain reference")
 p.add_argument("--compile", default="off", choices=["off", "hot", "layers", "graphs"],
-               help="kernels_torch.compile_hot_paths() (hot) or kernels_torch.compile_layers() (layers; graphs: with CUDA graphs of "
+               help="compile_policy.compile_hot_paths() (hot) or compile_policy.compile_layers() (layers; graphs: with CUDA graphs of "
                     "each layer's forward and backward, GPU only) before building the models")
 p.add_argument("--invariant", action="store_true", help="mismatch: both sides path-invariant (model.set_invariant)")
 p.add_argument("--profile", action="store_true", help="train, decode: print the top CUDA/CPU ops of ours (one training "
@@ -302,7 +303,7 @@ def bench_mismatch(ours, args, device, versions):
 
 def peer_recv(port, n, chunk, gpu, backend):
     """The receiving end of broadcast_peer (a spawned process): the same broadcasts, into one chunk of memory."""
-    from rollout import init_weight_update_group
+    from parallel import init_weight_update_group
     device = torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
     pg = init_weight_update_group("127.0.0.1", port, 1, 2, "peer", backend, 600)
     buf = torch.empty(chunk, dtype=torch.uint8, device=device)
@@ -317,7 +318,7 @@ def broadcast_peer(n, chunk, device, gpu):
     process to one other, on GPU `gpu` (NCCL) or the CPU (gloo): what the group moves, without HTTP, server and
     names. -> seconds."""
     import socket
-    from rollout import init_weight_update_group
+    from parallel import init_weight_update_group
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -420,7 +421,7 @@ if __name__ == "__main__":
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cli.dtype)
     args = ModelArgs.from_json(cli.model)
-    __import__("kernels_torch").use_compile(cli.compile)
+    compile_policy.use_compile(cli.compile)
     if cli.layers:
         n, args.num_hidden_layers = args.num_hidden_layers, cli.layers
         args.compress_ratios = args.compress_ratios[:cli.layers] + args.compress_ratios[n:]  # MTP's entries stay

@@ -35,7 +35,7 @@ forward, to compare precisions alone). It prints the relative error of every rec
 order and the first one above --tol.
 
 --invariant (model.set_invariant, on both sides) removes what makes a token's numbers depend on the path that
-computed it: every sum and transcendental function is taken in fp64 (kernels_torch.PathInvariant) and rounded as usual,
+computed it: every sum and transcendental function is taken in fp64 (dsv4_kernels.invariant.PathInvariant) and rounded as usual,
 so an aligned pair then agrees bit for bit, on the CPU and on a GPU, and what remains of a gap is a recipe difference.
 """
 import argparse

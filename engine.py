@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels_torch import length_multiple
-from kernels_decode import sample_triton
-from kernels_triton import has_triton
+from dsv4_kernels import has_triton
+from dsv4_kernels.decode import sample_triton
 from kv_cache import KVCache
+from model_dsv4 import length_multiple
 
 GREEDY_T = 1e-6  # SGLang treats temperature below this as greedy
 
@@ -67,7 +67,7 @@ def gumbel(seeds, counters, V):
 
 
 def sample_tokens(logits, params, draws, filtered):
-    """The device side of Engine._sample (kernels_torch.compile_layers compiles it). logits fp32 [B, V]; params fp64
+    """The device side of Engine._sample (compile_policy.compile_layers compiles it). logits fp32 [B, V]; params fp64
     [B, 3]: temperature, top_p, top_k (V: off); draws int64 [B, 2]: seed, token index; filtered: some row has
     top-p or top-k -> fp64 [2, B]: the tokens and their logprobs."""
     V = logits.shape[1]
@@ -272,7 +272,7 @@ class Engine:
             draws[:, 1] += ahead
         filtered = bool(params[:, 1].min() < 1.0 or params[:, 2].min() < V)
         fast = all(layer.ffn.fast for layer in self.model.layers.values())  # the kernels on (not set_invariant)
-        if fast and has_triton(logits) and not filtered:  # kernels_decode.sample_triton: the same draws, on a GPU
+        if fast and has_triton(logits) and not filtered:  # dsv4_kernels.decode.sample_triton: the same draws, on a GPU
             greedy = params[:, 0] < GREEDY_T
             temp = torch.where(greedy, 1.0, params[:, 0]).float()
             chosen = sample_triton(logits, *(self._upload(t) for t in (temp, greedy, draws)))

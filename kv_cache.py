@@ -16,11 +16,11 @@ CUDA graph.
 """
 import torch
 
-from kernels_torch import fused_projections, length_multiple
-from kernels_attention import decode_attention_triton
-from kernels_decode import compress_step_triton, window_kv_triton
-from kernels_triton import has_triton
-from model_dsv4 import rope_cos_sin, sink_attention, top_k_mask
+from dsv4_kernels import has_triton
+from dsv4_kernels.decode import compress_step_triton, window_kv_triton
+from dsv4_kernels.decode_attention import decode_attention_triton
+from dsv4_kernels.fast import fused_projections
+from model_dsv4 import length_multiple, rope_cos_sin, sink_attention, top_k_mask
 
 
 def compressors(attn):
@@ -34,7 +34,7 @@ class KVCache:
     """Fixed-size buffers for max_batch sequence slots (see the module docstring), and the model's prefill and decode
     through them. static: decode reads every compressed entry, masked (fixed shapes, for CUDA graphs and compiled
     code); else only up to the longest sequence's."""
-    pad_prefill = False  # set by kernels_torch.compile_layers: prefill pads its length to a multiple of length_multiple
+    pad_prefill = False  # set by compile_policy.compile_layers: prefill pads its length to a multiple of length_multiple
 
     def __init__(self, model, max_batch, max_len, device, static=False):
         a, dt = model.args, model.dtype
@@ -74,7 +74,7 @@ class KVCache:
     def prefill(self, model, slots, prompts):
         """prompts: token lists, right-padded into one batch (causal: the pads never reach the real tokens)
         -> fp32 logits [B, vocab] at each prompt's last position; fills each slot's cache from position 0. With
-        pad_prefill (compiled layers) the batch's length is padded up to a multiple of kernels_torch.length_multiple, so
+        pad_prefill (compiled layers) the batch's length is padded up to a multiple of model_dsv4.length_multiple, so
         that every length runs one compiled graph of each kind of layer."""
         lengths = [len(p) for p in prompts]
         m = length_multiple(self.args) if self.pad_prefill else 1
@@ -90,7 +90,7 @@ class KVCache:
     def prefill_layer(self, layer, x, ids):
         # one Block.forward over the batch's prompts x [B, T, n, D] (ids [B, T]), and what decode needs from them: the
         # window's keys kv [B, T, d] and, for each compressor of compressors(attn), (its entries, its kv and score
-        # rows). kernels_torch.compile_layers compiles this (dynamic batch and length: layers of one kind share it)
+        # rows). compile_policy.compile_layers compiles this (dynamic batch and length: layers of one kind share it)
         a = self.args
         h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
         attn = layer.attn
@@ -137,7 +137,7 @@ class KVCache:
         return model.logits(x)[:, 0]
 
     def step_rope(self, model, pos):
-        """The step's RoPE angles, once for all layers (each layer's took ~4 small kernels; kernels_torch.compile_layers
+        """The step's RoPE angles, once for all layers (each layer's took ~4 small kernels; compile_policy.compile_layers
         compiles this too): cos/sin [B, 1, rd/2] at each sequence's position for the layers of each base (key
         ("pos", ratio > 0)), and at the first position of the window that ends there for each compress ratio m
         (key ("start", m)), where the compressors' entries are rotated."""
@@ -147,7 +147,7 @@ class KVCache:
 
     def decode_layer(self, layer, c, x, slots, tokens, pos, rope):
         # one Block.forward for one token per sequence, reading and writing the layer's cache c; rope: step_rope's
-        # (kernels_torch.compile_layers compiles this: layers of one kind share the compiled code)
+        # (compile_policy.compile_layers compiles this: layers of one kind share the compiled code)
         h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
         x = layer.hc_post(self._attn_decode(layer.attn, h, c, slots, pos, rope), x, post, comb)
         h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)
@@ -157,12 +157,12 @@ class KVCache:
         """Add one token's kv/score row to its partial window; when the window completes, pool it into a
         new compressed entry (RoPE at the window's first position) and roll the overlap state.
         Every row is pooled and the result kept only where the window is complete: no host sync, fixed shapes.
-        fast: kernels_decode.compress_step_triton does all of it in one kernel, pooling only the complete windows.
+        fast: dsv4_kernels.decode.compress_step_triton does all of it in one kernel, pooling only the complete windows.
         proj: (kv, score) [B, 1, coff*d] from the layer's fused projections, or None: comp.project here.
         rope: step_rope's tables."""
         m, d = comp.ratio, comp.head_dim
         kv, score = comp.project(h[:, 0]) if proj is None else (proj[0][:, 0], proj[1][:, 0])  # [B, coff*d]
-        if fast and not comp.fp8_emu:  # all of it in one kernel (kernels_decode.compress_step_triton)
+        if fast and not comp.fp8_emu:  # all of it in one kernel (dsv4_kernels.decode.compress_step_triton)
             cos, sin = rope[("start", m)]  # at the window's first position
             compress_step_triton(kv, score, c[name + "_kv"], c[name + "_score"], c[name + "_prev_kv"],
                                  c[name + "_prev_score"], comp.ape, comp.norm.weight, cos[:, 0], sin[:, 0], c[name],
@@ -189,7 +189,7 @@ class KVCache:
         comp = lambda n: (p[n + ".wkv"], p[n + ".wgate"]) if p else None
         q, qr = attn.query(h, cos, sin, p.get("wq_a"))
         W = a.sliding_window
-        fast = attn.fast and has_triton(h) and not torch.is_grad_enabled()  # kernels_decode.py's kernels
+        fast = attn.fast and has_triton(h) and not torch.is_grad_enabled()  # dsv4_kernels/decode.py's kernels
         if fast and not attn.wkv.fp8_emu:  # the key's norm and RoPE, its cache row and position: one kernel
             kv = attn.wkv(h) if "wkv" not in p else p["wkv"]
             window_kv_triton(kv[:, 0], attn.kv_norm.weight, cos[:, 0], sin[:, 0], c["win"], c["win_pos"], slots, pos,
@@ -213,7 +213,7 @@ class KVCache:
                 score = index.scores(h, qr, c["idx"][slots, :S], cos, sin, p.get("indexer.weights_proj"))[:, 0]
                 score = score.masked_fill(~visible, float("-inf"))
                 visible = visible & top_k_mask(score, attn.indexer.topk)
-        if fast:  # kernels_attention.py: keys read in place, the mask below worked out inside (but the indexer's
+        if fast:  # dsv4_kernels/decode_attention.py: keys read in place, the mask below worked out inside (but the indexer's
             # picks), the output's RoPE undone inside, as output() rounds
             o = decode_attention_triton(q[:, 0], c["win"], c["win_pos"], c.get("comp"), slots, pos, attn.ratio,
                                         attn.attn_sink, attn.softmax_scale, cos[:, 0], sin[:, 0],

@@ -5,14 +5,15 @@ weights come from the streams themselves (fn's rows over an RMSNorm of all n * D
 and the streams' mix of each other is made doubly stochastic by Sinkhorn's alternating normalisation, so the
 residual neither grows nor shrinks. The last layer's streams collapse into one for the head (hc_head).
 
-The fast paths: kernels_torch.hc_mixes_bf16 (the mixes on bf16 tensor cores) and kernels_triton.sinkhorn_triton (the
+The fast paths: dsv4_kernels.fast.hc_mixes_bf16 (the mixes on bf16 tensor cores) and dsv4_kernels.mhc_triton.sinkhorn_triton (the
 loop in one kernel); tests/test_model.py and tests/test_triton.py check them against these references.
 """
 import torch
 import torch.nn.functional as F
 
-from kernels_torch import hc_mixes_bf16
-from kernels_triton import has_triton, sinkhorn_triton
+from dsv4_kernels import has_triton
+from dsv4_kernels.fast import hc_mixes_bf16
+from dsv4_kernels.mhc_triton import sinkhorn_triton
 
 
 def hc_split_sinkhorn(mixes, scale, base, n, iters, eps, fast=False):
@@ -28,7 +29,7 @@ def hc_split_sinkhorn(mixes, scale, base, n, iters, eps, fast=False):
 def sinkhorn(comb, iters, eps, fast=False):
     """comb [..., n, n] > 0 -> doubly stochastic: columns, then rows and columns iters - 1 times, each divided by
     its sum + eps."""
-    if fast and has_triton(comb):  # kernels_triton.py: the loop in one Triton kernel (and one for the backward)
+    if fast and has_triton(comb):  # dsv4_kernels/mhc_triton.py: the loop in one Triton kernel (and one for the backward)
         return sinkhorn_triton(comb, iters, eps)
     if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # decode: one tensor per entry (below)
         return sinkhorn_entries(comb, iters, eps)
@@ -65,7 +66,7 @@ def sinkhorn_entries(comb, iters, eps):
 
 def hc_mixes(x, fn, norm_eps, fast=False):
     # x: [B, T, n, D] -> fp32 [B, T, rows of fn]; an unweighted RMSNorm over all n*D values, then fn
-    if fast and x.dtype == torch.bfloat16:  # kernels_torch.py: the same on tensor cores, fn in three bf16 parts
+    if fast and x.dtype == torch.bfloat16:  # dsv4_kernels/fast.py: the same on tensor cores, fn in three bf16 parts
         return hc_mixes_bf16(x.flatten(2), fn, norm_eps)
     xf = x.flatten(2).float()
     return F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)

@@ -22,11 +22,13 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 import torch.nn.functional as F
-from kernels_torch import (PathInvariant, fuse_rows_, grouped_experts, is_fused, is_stacked, linear_f32, matmul_f32,
-                     stack_experts_, window_attention)
-from kernels_triton import HC_PRE_TOKENS, has_triton, hc_post_triton, hc_pre_triton
-from kernels_decode import q_norm_rope_triton
-from kernels_route import pair_order_triton, route_triton, sort_pairs_triton
+from dsv4_kernels import has_triton
+from dsv4_kernels.decode import q_norm_rope_triton
+from dsv4_kernels.fast import (fuse_rows_, grouped_experts, is_fused, is_stacked, linear_f32, matmul_f32, stack_experts_,
+                               window_attention)
+from dsv4_kernels.invariant import PathInvariant
+from dsv4_kernels.mhc_triton import HC_PRE_TOKENS, hc_post_triton, hc_pre_triton
+from dsv4_kernels.route import pair_order_triton, route_triton, sort_pairs_triton
 from mhc import hc_head, hc_mixes, hc_split_sinkhorn
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
@@ -172,6 +174,13 @@ class ModelArgs:
         d["hidden_act"], d["torch_dtype"] = "silu", "bfloat16"
         return d
 
+
+
+def length_multiple(args):
+    """Compiled layers specialise on a length's remainder by each compress ratio (the pooling) and by the window (the
+    fast attention's query blocks); a length padded to a multiple of all of them runs the same graph of each kind of
+    layer (compile='layers': the trainer's micro-batches, the engine's prefill). 128 for V4."""
+    return math.lcm(args.sliding_window, *[r for r in args.compress_ratios if r])
 
 # -----------------------------------------------------------------------------
 # building blocks
@@ -383,7 +392,7 @@ class Attention(nn.Module):
         self.indexer = Indexer(args) if self.ratio == 4 else None
 
     def fused_names(self):
-        """The projections of the attention's input in the fused tensor's order (kernels_torch.fused_projections)."""
+        """The projections of the attention's input in the fused tensor's order (dsv4_kernels.fast.fused_projections)."""
         comp = ["compressor.wkv", "compressor.wgate"] if self.compressor is not None else []
         index = ["indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.weights_proj"] if self.indexer else []
         return ["wq_a", "wkv"] + comp + index
@@ -396,7 +405,7 @@ class Attention(nn.Module):
 
     def query(self, x, cos, sin, qa=None):
         # x: [B, T, D] -> q [B, T, H, d] (unweighted per-head RMSNorm, RoPE on the last rd dims), qr [B, T, q_lora];
-        # qa: wq_a(x) if computed already (kernels_torch.fused_projections), as kv in window_kv
+        # qa: wq_a(x) if computed already (dsv4_kernels.fast.fused_projections), as kv in window_kv
         B, T, _ = x.shape
         qr = self.q_norm(self.wq_a(x) if qa is None else qa)
         q = self.wq_b(qr).view(B, T, self.n_heads, self.head_dim)
@@ -433,7 +442,7 @@ class Attention(nn.Module):
             # entry s covers tokens up to s*ratio + ratio - 1, so query t sees s < (t + 1) // ratio
             visible = torch.arange(S, device=x.device)[None, :] < ((pos + 1) // self.ratio)[:, None]  # [T, S]
             cmask = self.indexer(x, qr, self.args, visible) if self.indexer is not None else visible[None]
-        if self.fast:  # kernels_torch.py: the same softmax by blocks of `sliding_window` queries
+        if self.fast:  # dsv4_kernels/fast.py: the same softmax by blocks of `sliding_window` queries
             o = window_attention(q, kv, ckv, cmask, self.attn_sink, self.softmax_scale, self.args.sliding_window)
             return self.output(o, cos, sin)
         # window: key j visible from query t iff t - window < j <= t
@@ -584,7 +593,7 @@ def expert_order(flat, n_experts, count=False, fast=False):
     id (a GPU's takes one pass per byte of key: 8 for int64, ~50 us for bench_2b's 24576 pairs in 12 layers on an
     H200). count (a decode step's few hundred pairs): pair p's row is the number of pairs of lower experts plus its
     own expert's pairs before it, from an [E, P] table (torch.compile sorted bench_2b's 384 in one 14 us kernel a
-    layer on an H200, session 23; fast, without grad on a GPU: kernels_route.pair_order_triton). All give the same
+    layer on an H200, session 23; fast, without grad on a GPU: dsv4_kernels.route.pair_order_triton). All give the same
     order.
     Also the pairs per expert [n_experts] (scatter_add, not bincount, which reads the max id back to the host)."""
     if count and fast and has_triton(flat) and not torch.is_grad_enabled():
@@ -640,7 +649,7 @@ class MoE(nn.Module):
     """Routed experts + one shared expert. Every V4 layer is MoE; there are no dense FFN layers.
     With an EP group, this rank holds experts [ep_rank * n_local, (ep_rank + 1) * n_local); the router
     and the shared expert are replicated. Expert names keep their global index (experts.{e})."""
-    fast = False  # set by Transformer.set_kernels: grouped GEMM experts (kernels_torch.py)
+    fast = False  # set by Transformer.set_kernels: grouped GEMM experts (dsv4_kernels/fast.py)
     stacked = None  # the local experts' weights in two stacks, the parameters views of them: Transformer.stack_experts
     def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
@@ -657,7 +666,7 @@ class MoE(nn.Module):
     def run_experts(self, xs, ws, counts, x=None, decode=False):
         """Each local expert on its contiguous slice of rows. xs: [R, D], ws: [R] -> ([R, D], None); x [N, D], this
         rank's tokens: the shared expert's output [N, D] in place of None where the decode kernels computed it with the
-        routed experts (kernels_torch.grouped_experts, for a decode step's rows), one weight-bound pass for all, where
+        routed experts (dsv4_kernels.fast.grouped_experts, for a decode step's rows), one weight-bound pass for all, where
         it was a GEMM, the SwiGLU and another GEMM after them."""
         # grouped GEMM: bf16 on CUDA (any dtype on the CPU); FP8 emulation has its sims in Expert only
         if self.fast and (xs.dtype == torch.bfloat16 or not xs.is_cuda) and not self.shared_experts.w1.fp8_emu:
@@ -724,7 +733,7 @@ class Block(nn.Module):
                 and x.shape[0] <= HC_PRE_TOKENS):
             return hc_pre_triton(x, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps,  # the norm in
                                  *((norm.weight, norm.eps) if norm is not None else ()))  # the kernel
-        xf = x.float()  # before the mixes' GEMM, as in kernels_torch._HcMixes.forward
+        xf = x.float()  # before the mixes' GEMM, as in dsv4_kernels.fast._HcMixes.forward
         pre, post, comb = hc_split_sinkhorn(hc_mixes(x, fn, a.rms_norm_eps, self.fast), scale, base, a.hc_mult,
                                             a.hc_sinkhorn_iters, a.hc_eps, self.fast)
         h = (pre.unsqueeze(-1) * xf).sum(dim=2).to(x.dtype)
@@ -732,7 +741,7 @@ class Block(nn.Module):
 
     def hc_post(self, f, x, post, comb):
         # stream k <- post_k * f + sum_j comb[j, k] * x_j: the residual mix uses comb *transposed*
-        if self.fast and has_triton(x) and torch.is_grad_enabled():  # training on a GPU: kernels_triton.py's
+        if self.fast and has_triton(x) and torch.is_grad_enabled():  # training on a GPU: dsv4_kernels/mhc_triton.py's
             return hc_post_triton(f, x, post, comb)  # kernels, for the backward's sums over D in one pass
         y = post.unsqueeze(-1) * f.float().unsqueeze(-2)
         if torch.compiler.is_compiling():  # a sum over the n input streams, which compile fuses into one kernel;
@@ -833,7 +842,7 @@ class Transformer(nn.Module):
         return self
 
     def set_kernels(self, fast=True):
-        """kernels_torch.py's block-wise window attention, grouped GEMM experts, bf16 mHC mixes and Triton Sinkhorn (on)
+        """dsv4_kernels/fast.py's block-wise window attention, grouped GEMM experts, bf16 mHC mixes and Triton Sinkhorn (on)
         or the plain reference (off)."""
         for m in (m for m in self.modules() if isinstance(m, (Attention, MoE, Block, Transformer))):
             m.fast = fast
@@ -841,7 +850,7 @@ class Transformer(nn.Module):
 
     def stack_experts(self):
         """With the grouped GEMM on (set_kernels), keep each MoE's local experts in two stacked tensors, the
-        experts' parameters views of them (kernels_torch.stack_experts_), so that each forward reads them in place.
+        experts' parameters views of them (dsv4_kernels.fast.stack_experts_), so that each forward reads them in place.
         Re-stacks the layers whose parameters something replaced (a dtype or device cast, a load with assign=True):
         every forward calls this first (two pointer checks per layer), since compiled code reads the stacks as
         given. Returns whether it stacked anything (the engine's CUDA graphs then read old stacks)."""
@@ -856,7 +865,7 @@ class Transformer(nn.Module):
     def fuse_projections(self):
         """The engine's (with the fast kernels on, no FP8 emulation): each layer's attention projections that read the
         same input (wq_a, wkv, the compressors' and the indexer's weights_proj) in one tensor, the weights views of it
-        (kernels_torch.fuse_rows_), so that decode runs them as one GEMM (kernels_torch.fused_projections; on an H200,
+        (dsv4_kernels.fast.fuse_rows_), so that decode runs them as one GEMM (dsv4_kernels.fast.fused_projections; on an H200,
         bench_2b at batch 64: 103 GEMMs a step in 0.43 ms, fused 0.13, bench/probe_fused_proj.py, when the MoE's router
         and shared expert were fused too; the decode kernels now compute the shared expert with the routed ones, and the
         router is one GEMM). Re-fuses what something replaced, like stack_experts; returns whether it fused."""
@@ -874,13 +883,13 @@ class Transformer(nn.Module):
     def set_invariant(self, on=True):
         """Path-invariant numerics (compare_logprobs --invariant, rollout.py --serve --invariant): a token's logprob
         no longer depends on how it was computed (one full forward, or prefill + KV-cache decode in a batch of any
-        size). Every sum and transcendental function in fp64 (kernels_torch.PathInvariant, entered by numerics()), with
+        size). Every sum and transcendental function in fp64 (dsv4_kernels.invariant.PathInvariant, entered by numerics()), with
         the reference experts and attention (grouped_mm has no fp64). Weights and activations keep their dtype."""
         self.invariant = on
         return self.set_kernels(False) if on else self
 
     def numerics(self):
-        """The context each forward and engine step runs in: kernels_torch.PathInvariant once set_invariant (unless one
+        """The context each forward and engine step runs in: dsv4_kernels.invariant.PathInvariant once set_invariant (unless one
         is active already: a caller scoring with the mode on, whose forward would enter it again), else none."""
         active = isinstance(torch.utils._python_dispatch._get_current_dispatch_mode(), PathInvariant)
         return PathInvariant() if self.invariant and not active else contextlib.nullcontext()
@@ -915,10 +924,10 @@ class Transformer(nn.Module):
 # -----------------------------------------------------------------------------
 
 def self_check():
-    """`python model_dsv4.py`: on CPU in seconds, shapes, causality, a save/load round trip, and a few steps of
-    overfitting."""
+    """`python model_dsv4.py`: on CPU in seconds, shapes, causality, a state-dict round trip through safetensors, and a
+    few steps of overfitting (checkpoint.py's own self-check covers the official checkpoint layout)."""
     import tempfile, time
-    from checkpoint import from_pretrained, save_pretrained
+    from safetensors.torch import load_file, save_file
     t0 = time.time()
     torch.manual_seed(0)
     args = ModelArgs()
@@ -927,34 +936,36 @@ def self_check():
     print(f"tiny DeepSeek-V4: {n_params / 1e6:.1f}M parameters, layer ratios {args.compress_ratios}")
     ids = torch.randint(2, args.vocab_size, (2, 96))
     logits, mtp_logits = model(ids, mtp=True)
+    assert logits.shape == (2, 96, args.vocab_size) and mtp_logits.shape == (2, 95, args.vocab_size)
     print(f"forward: logits {tuple(logits.shape)}, MTP logits {tuple(mtp_logits.shape)}")
     ids2 = ids.clone()
     ids2[:, 60:] = torch.randint(2, args.vocab_size, (2, 36))
     # the prefix's logits stay put, but for rounding: the later tokens' routing changes the shapes of the experts'
-    # GEMMs, in which the CPU's BLAS may sum a row in another order (9.5e-7 apart here, torch 2.13)
+    # GEMMs, in which the CPU's BLAS may sum a row in another order
     moved = (model(ids2)[:, :60] - logits[:, :60]).abs().max().item()
-    same = moved <= 1e-5 * logits.abs().max().item()
-    print(f"causality: logits before the changed tokens moved by {moved:.1e} (rounding): {same}")
+    print(f"causality: logits before the changed tokens moved by {moved:.1e}")
+    assert moved <= 1e-5 * logits.abs().max().item(), "causality broken"
     with tempfile.TemporaryDirectory() as d:
-        save_pretrained(model, d)
-        reloaded = from_pretrained(d, dtype=torch.float32)
-        print(f"save/load round trip: max |diff| = {(reloaded(ids) - logits).abs().max().item():.2e}")
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{d}/model.safetensors")
+        reloaded = Transformer(args, dtype=torch.float32)
+        reloaded.init_weights(seed=1)  # other values, so a load that misses a tensor shows
+        reloaded.load_state_dict(load_file(f"{d}/model.safetensors"))
+    diff = (reloaded(ids) - logits).abs().max().item()
+    print(f"save/load round trip: max |diff| = {diff:.2e}")
+    assert diff == 0, "the reloaded model computes other logits"
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batch = torch.randint(2, 64, (4, 64))
+    losses = []
     for step in range(8):
         loss = F.cross_entropy(model(batch)[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step in (0, 7):
-            print(f"overfit step {step}: loss {loss.item():.3f}")
-    assert same, "causality broken"
+        losses.append(loss.item())
+    print(f"overfit: loss {losses[0]:.3f} -> {losses[-1]:.3f} in 8 steps")
+    assert losses[-1] < 0.7 * losses[0], "8 steps of AdamW did not fit a fixed batch"
     print(f"self-check passed in {time.time() - t0:.1f}s")
 
 
 if __name__ == "__main__":
-    # from the imported module, not this __main__ copy: checkpoint imports model_dsv4, whose rope_angles custom op
-    # then replaces this copy's (torch destroys a redefined op's registration), and a call of the replaced one
-    # reads freed memory: "vector::reserve", an internal assert or a segfault, in ~1 run of 10 (session 28)
-    import model_dsv4
-    model_dsv4.self_check()
+    self_check()

@@ -284,24 +284,6 @@ class RolloutClient:
         return self._fanout("POST", path, body)
 
 
-def init_weight_update_group(master_address, master_port, rank, world_size, group_name, backend="gloo",
-                             timeout_s=600):
-    """Join the weight-sync process group exactly as SGLang does (init_custom_process_group): a tcp://
-    rendezvous whose store (hosted by rank 0, the trainer) is wrapped in PrefixStore(group_name). A plain
-    init_process_group would not meet SGLang, whose store keys carry that prefix. Both sides call this."""
-    from datetime import timedelta
-    from torch.distributed import TCPStore
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-    timeout = timedelta(seconds=timeout_s)
-    # The store tcp:// rendezvous makes, built directly: under torchrun, rendezvous() would make rank 0 a client
-    # of torchrun's own store (TORCHELASTIC_USE_AGENT_STORE), and wait for a server that never comes.
-    store = TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                         group_name=group_name, timeout=timeout)
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group rank == rank in the group
-    return group
-
-
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+import compile_policy
 from engine import Engine, SamplingParams
 from checkpoint import from_pretrained
 from quant import quant_format, quantize_tensor, scale_name
@@ -387,7 +388,7 @@ def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None
     if path:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = from_pretrained(path, device=device, dtype=dtype)
-    model.set_kernels(next(model.parameters()).is_cuda)  # kernels_torch.py for prefill on a GPU (decode: engine.py)
+    model.set_kernels(next(model.parameters()).is_cuda)  # dsv4_kernels/fast.py for prefill on a GPU (decode: engine.py)
     if fp8_emu:
         model.set_fp8_emulation(True)
     if invariant:
@@ -433,7 +434,7 @@ def exit_with(pid):
 
 def serve(args):
     """`python rollout.py --serve ...`: one ready line with the URL, then serve until Ctrl-C or SIGTERM."""
-    __import__("kernels_torch").use_compile(args.compile)  # before the engine exists: its first decode steps compile
+    compile_policy.use_compile(args.compile)  # before the engine exists: its first decode steps compile
     httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
                   args.max_batch, args.max_len, background=False, quant=args.quant, fp8_emu=args.fp8_emu,
                   invariant=args.invariant)

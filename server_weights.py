@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from checkpoint import canonical_name, checkpoint_index, load_state_dict
 from quant import as_bytes, dequantize, e8m0_to_float, quant_format, quantized_meta, scale_name
-from rollout import init_weight_update_group
+from parallel import init_weight_update_group
 from tensor_payload import layout, read as read_payload, unflatten
 
 

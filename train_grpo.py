@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 import faults
+import compile_policy
 import parallel
 from memory_plan import plan_table
 import weight_sync as wsync
@@ -44,7 +45,7 @@ from eval_aime import evaluate, load_problems, math_reward, overlong_penalty
 import grpo  # its losses are looked up there: compile='layers' swaps them for compiled ones
 from grpo import group_advantages, keep_group, make_microbatches
 from checkpoint import load_weights
-from model_dsv4 import ModelArgs
+from model_dsv4 import ModelArgs, length_multiple
 from optimizer import AdamW
 from rollout import RolloutClient
 from tasks import format_warmup, load_tokenizer, prompt_ids, toy_problems
@@ -59,8 +60,8 @@ dry_run = False  # build the layout on the meta device, print the per-rank memor
 init_from = 'scratch'  # 'scratch' (model_config) or a checkpoint directory with config.json + safetensors
 model_config = 'config/models/tiny.json'
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
-kernels = 'auto'  # 'fast' | 'reference' (kernels_torch.py: window attention by blocks, grouped GEMM experts) | 'auto': fast on CUDA
-compile = 'off'  # torch.compile 'hot' paths (Sinkhorn, norms, RoPE) | whole 'layers' (kernels_torch.py); the server too
+kernels = 'auto'  # 'fast' | 'reference' (dsv4_kernels/fast.py: window attention by blocks, grouped GEMM experts) | 'auto': fast on CUDA
+compile = 'off'  # torch.compile 'hot' paths (Sinkhorn, norms, RoPE) | whole 'layers' (dsv4_kernels/fast.py); the server too
 invariant = False  # trainer and embedded server path-invariant (model.set_invariant): rollout logprobs equal the trainer's bit for bit; slow
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the toy task, else 'deepseek-v4'
 resume = False  # continue from the newest complete checkpoint in out_dir
@@ -188,8 +189,8 @@ if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
 model.set_kernels(kernels == 'fast' or (kernels == 'auto' and grid.device.type == 'cuda'))
 model.set_invariant(invariant)  # on: every sum in fp64 and the reference kernels, as the server's (--invariant)
-__import__('kernels_torch').use_compile(compile)  # swaps model_dsv4's (and the engine's) functions for compiled ones
-pad_to = __import__('kernels_torch').length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths
+compile_policy.use_compile(compile)  # swaps model_dsv4's (and the engine's) functions for compiled ones
+pad_to = length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths
 if trainable == 'auto':  # the toy task's recipe: a random body, see tasks.py
     trainable = 'io' if data == 'toy' and init_from == 'scratch' else 'all'
 IO = ('embed.', 'head.', 'norm.', 'hc_head_')

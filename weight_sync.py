@@ -44,7 +44,8 @@ import torch.distributed as dist
 import tensor_payload
 from parallel import named
 from quant import as_bytes, e8m0_to_float, quantize_tensor, quantized_meta
-from rollout import RETRYABLE, error_message, init_weight_update_group
+from parallel import init_weight_update_group
+from rollout import RETRYABLE, error_message
 
 GROUP = {}  # this rank's live weight-update groups: "urls", "names" (one per stage), "pg" (stage senders only)
 

@@ -1,5 +1,5 @@
-"""The routed experts of a decode step as Triton kernels (kernels_decode.experts_triton's two, under several block
-configs), against kernels_torch.grouped_experts' math (aten's grouped GEMM), for the decode step's shapes: bench_2b's 64
+"""The routed experts of a decode step as Triton kernels (dsv4_kernels.decode.experts_triton's two, under several block
+configs), against dsv4_kernels.fast.grouped_experts' math (aten's grouped GEMM), for the decode step's shapes: bench_2b's 64
 experts (D 1536, I 512, top-6) and 64 or 256 tokens, rows sorted by expert, routed uniformly at random and skewed
 (a few experts take many rows). A decode step's experts are bound by reading their weights (301 MB a layer, every
 expert hit at batch 64), which aten's grouped GEMM did at 2.2-2.7 TB/s in session 23's decode trace.
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import kernels_decode as kt  # noqa: E402  (before triton: on a CPU kernels_triton turns on the interpreter)
+import dsv4_kernels.decode as kt  # noqa: E402  (first: without a GPU, dsv4_kernels turns on the interpreter)
 import triton  # noqa: E402
 from probe_timing import graph_us  # noqa: E402
 
@@ -46,7 +46,7 @@ def triton_experts(xs, ws, offs, w13, w2, cfg):
 
 
 def reference(xs, ws, offs, w13, w2):
-    """kernels_torch.grouped_experts' math: aten's grouped GEMM on a GPU; per expert elsewhere (the CPU check)."""
+    """dsv4_kernels.fast.grouped_experts' math: aten's grouped GEMM on a GPU; per expert elsewhere (the CPU check)."""
     if xs.is_cuda:
         g, u = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
     else:

@@ -11,8 +11,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels_torch import mm_f32  # noqa: E402
-from kernels_triton import INTERPRETED, _dot, _jit, tl, triton  # noqa: E402
+from dsv4_kernels import INTERPRETED, _dot, _jit, tl, triton  # noqa: E402
+from dsv4_kernels.fast import mm_f32  # noqa: E402
 from probe_timing import graph_us  # noqa: E402
 
 

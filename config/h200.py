@@ -12,7 +12,7 @@ max_steps = 20
 init_from = 'scratch'
 model_config = 'config/models/bench_2b.json'
 dtype = 'bfloat16'
-compile = 'layers'  # each layer one inductor graph, in the trainer and the server (kernels_torch.compile_layers)
+compile = 'layers'  # each layer one inductor graph, in the trainer and the server (compile_policy.compile_layers)
 
 # one GPU, so no PP/EP; micro-batches bound activation memory (128 samples / 16 = 8 per micro-batch)
 pp_size, ep_size = 1, 1

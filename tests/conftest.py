@@ -56,13 +56,13 @@ def randomize_(model, n_experts, top_k, seed=0):
 
 @pytest.fixture
 def compile_layers():
-    """kernels_torch.compile_layers for one test: call it to switch on; the eager functions come back at the end
+    """compile_policy.compile_layers for one test: call it to switch on; the eager functions come back at the end
     (it swaps them on the classes). Yields the switch; it returns dynamo's counters. On the CPU the backend is
     aot_eager (the same graphs, autograd and cache writes, run without code generation: inductor's C++ build
     takes minutes on 2 cores); on a GPU inductor."""
     import engine
     import grpo
-    import kernels_torch
+    import compile_policy
     import kv_cache
     import model_dsv4
     import parallel
@@ -72,7 +72,7 @@ def compile_layers():
 
     def on(graphs=False):
         torch._dynamo.reset()
-        kernels_torch.compile_layers(backend="inductor" if torch.cuda.is_available() else "aot_eager", graphs=graphs)
+        compile_policy.compile_layers(backend="inductor" if torch.cuda.is_available() else "aot_eager", graphs=graphs)
         return torch._dynamo.utils.counters
     yield on
     (model_dsv4.Block.forward, model_dsv4.Transformer.logits, kv_cache.KVCache.decode_layer,

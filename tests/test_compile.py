@@ -1,4 +1,4 @@
-"""kernels_torch.compile_layers in the trainer: whole layers (Block.forward), the head and the GRPO losses under
+"""compile_policy.compile_layers in the trainer: whole layers (Block.forward), the head and the GRPO losses under
 torch.compile against the eager functions they replace (on the CPU with the aot_eager backend, on a GPU with
 inductor), CUDA graphs of the compiled layers step after step, and the compiles a GRPO run's new shapes cost.
 The engine's side and the startup refusals: test_compile_engine.py. The `compile_layers` fixture: conftest.py."""
@@ -20,10 +20,10 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
     again inside the backward) gives the same logits and gradients as the compiled step without it. Then the GRPO
     step's shapes: micro-batches of other sizes and lengths, padded as train_grpo pads them (a multiple of the
     window and the compress ratios), and the GRPO loss compile nothing after their first: the batch and length are
-    symbolic from the first call (kernels_torch._dynamic_batch_and_length)."""
+    symbolic from the first call (compile_policy._dynamic_batch_and_length)."""
     import parallel
     from grpo import grpo_loss, make_microbatches
-    from kernels_torch import length_multiple
+    from model_dsv4 import length_multiple
     dev = "cuda" if CUDA else "cpu"
     m32 = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
                      SMALL.num_experts_per_tok, seed=4).set_kernels(True).to(dev)

@@ -1,4 +1,4 @@
-"""kernels_torch.compile_layers in the embedded engine: the compiled decode step against the eager engine and the
+"""compile_policy.compile_layers in the embedded engine: the compiled decode step against the eager engine and the
 forward, the compiled sampler and the Sinkhorn loop compiled code takes, Engine.warm_up's compiles before the first
 request (on the CPU with the aot_eager backend, on a GPU with inductor); and the startup refusals of compile='layers' on
 the CPU (inductor's C++ code for the decode step does not build there) and of compiling with --invariant. The trainer's
@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_compile_layers_decode_as_close_as_eager(compile_layers):
-    """The engine's compiled decode step (kernels_torch.compile_layers, CPU, bf16): its logprobs are as close to the
+    """The engine's compiled decode step (compile_policy.compile_layers, CPU, bf16): its logprobs are as close to the
     training forward's as the eager engine's are, and it samples from the same distributions."""
     from dataclasses import replace
     from engine import Engine, SamplingParams
@@ -127,7 +127,7 @@ def test_engine_warm_up_compiles_every_batch_size_first(compile_layers):
 
 def test_compiled_prefill_equals_eager_and_stops_compiling(compile_layers):
     """The engine's compiled prefill (KVCache.prefill_layer under compile_layers, its prompts padded to a multiple of
-    kernels_torch.length_multiple: 128 here) against the eager one: SMALL's window, CSA and HCA layers, fp32, prompts of
+    model_dsv4.length_multiple: 128 here) against the eager one: SMALL's window, CSA and HCA layers, fp32, prompts of
     5, 19 and 40 tokens (padded to 128), then 4 decode steps from the caches it filled. The last-position logits of
     the prefill and every decode step's logits to 1e-5 of the largest: the padding reaches nothing that is read.
     Then prefills of 2 prompts of 130 and 200 tokens (padded to 256) and of 4 of 10-300 (384): the second may

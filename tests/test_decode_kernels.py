@@ -1,9 +1,9 @@
-"""kernels_decode.py's kernels against the code they replace: experts_triton against kernels_torch.grouped_experts and
+"""dsv4_kernels/decode.py's kernels against the code they replace: experts_triton against dsv4_kernels.fast.grouped_experts and
 Expert.forward, alone and in the model's forward without grad; compress_step_triton against the cache's compressor
 step, alone and in the engine's decode; sample_triton against engine.sample_tokens, alone and in the engine;
 q_norm_rope_triton against Attention.query; window_kv_triton against Attention.window_kv and the cache's writes, alone
 and in the engine's decode (the decode attention's: test_decode_attention.py, the routing kernels':
-test_routing_kernels.py). Without a GPU, Triton's interpreter runs them on CPU tensors (kernels_triton.py turns it
+test_routing_kernels.py). Without a GPU, Triton's interpreter runs them on CPU tensors (dsv4_kernels/mhc_triton.py turns it
 on); test_kernel_builds.py compiles them for sm_90 and gfx950."""
 import copy
 from dataclasses import replace
@@ -12,12 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels_decode import (experts_triton, q_norm_rope_triton,  # before triton: without a GPU it turns on the
+from dsv4_kernels.decode import (experts_triton, q_norm_rope_triton,  # before triton: without a GPU it turns on the
                             sample_triton, window_kv_triton)      # interpreter
 import engine
-import kernels_torch
+import dsv4_kernels.fast
+import dsv4_kernels.fast as kernels_torch
 import kv_cache
-from kernels_triton import INTERPRETED
+from dsv4_kernels import INTERPRETED
 import model_dsv4
 from conftest import TINY, randomize_
 from model_dsv4 import Attention, Compressor, Expert, Transformer, rope_cos_sin
@@ -53,12 +54,12 @@ def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, sh
     experts = [e.to(DEV) for e in experts]
     experts, sh = experts[:E], experts[E]
     xs, ws, counts, x = xs.to(DEV), ws.to(DEV), counts.to(DEV), x.to(DEV)
-    w13, w2 = kernels_torch.stack(experts)
+    w13, w2 = dsv4_kernels.fast.stack(experts)
     with torch.no_grad():
         out = experts_triton(xs, ws, counts.cumsum(0).to(torch.int32), w13, w2, limit,
                              *((x, sh.w1.weight, sh.w3.weight, sh.w2.weight) if shared else ()))
         monkeypatch.setattr(kernels_torch, "has_triton", lambda t: False)
-        ref = kernels_torch.grouped_experts(experts, xs, ws, counts, limit)
+        ref = dsv4_kernels.fast.grouped_experts(experts, xs, ws, counts, limit)
         ends = counts.cumsum(0).tolist()
         exact = torch.cat([copy.deepcopy(e).double()(xs[a:b].double(), ws[a:b].double())
                            for e, a, b in zip(experts, [0] + ends[:-1], ends)])
@@ -117,7 +118,7 @@ def test_compress_step_triton_equals_compressor_step(ratio, d, dtype):
 
 def test_model_without_grad_on_triton_experts_equals_reference(monkeypatch):
     """A decode step's MoE (one token a sequence, without grad) takes the experts' kernels through
-    kernels_torch.grouped_experts (with few rows an expert): four of TINY's layers on 20 sequences of 1 token against
+    dsv4_kernels.fast.grouped_experts (with few rows an expert): four of TINY's layers on 20 sequences of 1 token against
     the same model on aten's grouped GEMM, fp32 to 1e-5 of the largest logit (on a GPU bf16, which aten's grouped GEMM
     needs there, to 2e-2); each layer's MoE called the kernels once. A prefill's rows (2 sequences of 10 tokens, as few
     an expert) never do: a branch on their count made the compiled prefill compile again after the warm-up."""

@@ -1,4 +1,4 @@
-"""Every Triton kernel of the project (kernels_triton.py, kernels_decode.py, kernels_attention.py, kernels_route.py)
+"""Every Triton kernel of the project (dsv4_kernels/mhc_triton.py, dsv4_kernels/decode.py, dsv4_kernels/decode_attention.py, dsv4_kernels/route.py)
 compiled to machine code for the H200 and the MI355X, without a GPU. Their values are tested against their references
 in test_triton.py, test_decode_kernels.py, test_decode_attention.py and test_routing_kernels.py."""
 import os
@@ -20,13 +20,13 @@ def test_kernels_compile_for_h200_and_mi355x():
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512 (one program a sequence, and
     split; RoPE undone on the output; with the indexer's picks and without); the experts' two kernels, with the
     shared expert and without; the compressor's step with and without overlap; the sampler's two kernels; hc_pre's
-    two at bench_2b's sizes (the mixes' tl.dot in each backend's precision, kernels_triton.hc_dot; the second with
+    two at bench_2b's sizes (the mixes' tl.dot in each backend's precision, dsv4_kernels.mhc_triton.hc_dot; the second with
     the sublayer's norm and without); the router (hash and learned, 256 experts) and the pairs' ordering (with the
     rows' copy and without); the query's norm and RoPE and the window key's write at head dim 512. In a subprocess per
     backend: this process's kernels are interpreted."""
     code = """
 import sys
-import kernels_attention as ka, kernels_decode as kd, kernels_route as kr, kernels_triton as kt, triton
+import dsv4_kernels.decode_attention as ka, dsv4_kernels.decode as kd, dsv4_kernels.route as kr, dsv4_kernels.mhc_triton as kt, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 # (kernel, constexprs, scalar arguments, bf16 pointers (the others fp32), warps)

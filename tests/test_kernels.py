@@ -1,4 +1,4 @@
-"""kernels_torch.py's fast paths against the plain references they replace: the block-wise window attention vs
+"""dsv4_kernels/fast.py's fast paths against the plain references they replace: the block-wise window attention vs
 sink_attention with a band mask, grouped GEMM experts vs the per-expert loop, the whole model both ways
 (forward and every gradient), and on a GPU the bf16 fp32-result matmul vs an fp32 GEMM."""
 import copy
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import SMALL, TINY, randomize_
-from kernels_torch import grouped_experts, hc_mixes_bf16, linear_f32, matmul_f32, split_bf16, window_attention
+from dsv4_kernels.fast import grouped_experts, hc_mixes_bf16, linear_f32, matmul_f32, split_bf16, window_attention
 from mhc import hc_mixes
 from model_dsv4 import Transformer, sink_attention
 
@@ -134,7 +134,7 @@ def test_matmul_f32_gradient_comes_in_the_operand_layout():
     gradients are g @ b.T and a.T @ g, b's in b's memory layout, so linear_f32's weight (b = w.t()) gets a
     contiguous gradient, which needs no copy into the parameter's layout."""
     from types import SimpleNamespace
-    from kernels_torch import _MatmulF32
+    from dsv4_kernels.fast import _MatmulF32
     g = torch.Generator().manual_seed(0)
     for a, w, dy in (((6, 5), (4, 5), (6, 4)), ((3, 6, 5), (3, 4, 5), (3, 6, 4))):
         a, w, dy = (torch.randn(*s, generator=g) for s in (a, w, dy))

@@ -1,4 +1,4 @@
-"""kernels_torch.py's fast paths where they meet training state and the engine: the experts' stacked weights (trained in
+"""dsv4_kernels/fast.py's fast paths where they meet training state and the engine: the experts' stacked weights (trained in
 place through the parameters' views, gradients that add up, re-stacked after a cast or a load, followed by the
 engine's weight loads), and on a GPU the engine's CUDA-graph decode against its eager decode and the forward, and
 with the decode kernels' programmatic dependent launch against without.
@@ -62,7 +62,7 @@ def test_stacked_experts_train_in_place():
     of two micro-batches each (the gradients add up, then zero_grad sets them to None) the model equals the
     reference one (per-expert loop) trained alike. Each expert's gradient is its view of its stack's gradient. A
     dtype cast and a load that assigns new parameters re-stack on the next forward."""
-    from kernels_torch import is_stacked
+    from dsv4_kernels.fast import is_stacked
     ref = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
                      SMALL.num_experts_per_tok, seed=3)
     fast = copy.deepcopy(ref).set_kernels(True)
@@ -113,7 +113,7 @@ def test_engine_stacked_experts_follow_weight_loads():
     """The engine's stacked expert weights are the parameters' storage: a weight load reaches the grouped GEMM,
     and a deepcopy (which breaks the views) falls back to stacking per call, with equal results."""
     from engine import Engine
-    from kernels_torch import is_stacked
+    from dsv4_kernels.fast import is_stacked
     model = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
                        SMALL.num_experts_per_tok, seed=7).set_kernels(True)
     ids = torch.randint(0, SMALL.vocab_size, (1, 40), generator=torch.Generator().manual_seed(8))
@@ -133,14 +133,14 @@ def test_engine_stacked_experts_follow_weight_loads():
 
 def test_engine_fused_projections_equal_separate_and_follow_loads(monkeypatch):
     """The engine's decode runs each layer's attention projections of one input as one GEMM on their weights fused into
-    one tensor (Transformer.fuse_projections, kernels_torch.fused_projections): each projection's slice equals its own
+    one tensor (Transformer.fuse_projections, dsv4_kernels.fast.fused_projections): each projection's slice equals its own
     linear; 12 cached decode steps (a window and a CSA and HCA compressor's windows completing among them) give the
     logits of the same steps with every projection on its own (fp32, to 1e-5 of the largest); a weight load writes
     through into the fused tensor; a deepcopy (which breaks the views) runs the projections on their own."""
     from dataclasses import replace
 
     from engine import Engine
-    from kernels_torch import fused_projections
+    from dsv4_kernels.fast import fused_projections
     import kv_cache
     args = replace(SMALL, compress_ratios=[4, 0, 16, 4, 0])
     model = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,

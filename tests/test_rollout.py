@@ -16,7 +16,8 @@ import torch.distributed as dist
 from conftest import randomize_
 from checkpoint import from_pretrained, save_pretrained
 from model_dsv4 import ModelArgs, Transformer
-from rollout import RolloutClient, init_weight_update_group
+from parallel import init_weight_update_group
+from rollout import RolloutClient
 
 KEY = "test-key"
 ARGS = ModelArgs(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, head_dim=32,

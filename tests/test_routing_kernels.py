@@ -1,7 +1,7 @@
-"""kernels_route.py's kernels against the code they replace: route_triton against model_dsv4.Gate.forward and
+"""dsv4_kernels/route.py's kernels against the code they replace: route_triton against model_dsv4.Gate.forward and
 pair_order_triton against a stable sort, sort_pairs_triton against dispatch, alone and in the model's forward without
 grad. Without a GPU, Triton's
-interpreter runs them on CPU tensors (kernels_triton.py turns it on); test_kernel_builds.py compiles them for sm_90 and
+interpreter runs them on CPU tensors (dsv4_kernels/mhc_triton.py turns it on); test_kernel_builds.py compiles them for sm_90 and
 gfx950."""
 import copy
 from dataclasses import replace
@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels_route import (pair_order_triton, route_triton,  # before triton: without a GPU it turns on the interpreter
+from dsv4_kernels.route import (pair_order_triton, route_triton,  # before triton: without a GPU it turns on the interpreter
                            sort_pairs_triton)
-import kernels_route
+import dsv4_kernels.route as kernels_route
 import model_dsv4
 from conftest import TINY, randomize_
 from model_dsv4 import Gate, MoE, Transformer

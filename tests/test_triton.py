@@ -1,9 +1,9 @@
-"""kernels_triton.py's kernels against the code they replace: sinkhorn_triton (mHC's Sinkhorn loop as one Triton kernel
+"""dsv4_kernels/mhc_triton.py's kernels against the code they replace: sinkhorn_triton (mHC's Sinkhorn loop as one Triton kernel
 forward and one backward) against mhc.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
 model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile, and in the whole model;
 hc_pre_triton (mHC's pre-mix for decode) against Block.hc_pre's reference, alone and in a model's forward without
 grad (every kernel of the project compiled for sm_90 and gfx950: test_kernel_builds.py).
-Without a GPU, kernels_triton.py runs Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
+Without a GPU, dsv4_kernels/mhc_triton.py runs Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
 import copy
 from dataclasses import replace
 from types import SimpleNamespace
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels_triton import (hc_post_triton, hc_pre_triton,  # before triton: without a GPU it turns on the
+from dsv4_kernels.mhc_triton import (hc_post_triton, hc_pre_triton,  # before triton: without a GPU it turns on the
                             sinkhorn_triton)                 # interpreter
 import mhc
 import model_dsv4

@@ -1,0 +1,102 @@
+"""
+Which functions torch.compile wraps: a program's decision, made once by the entry points (train_grpo.py, server.py,
+bench.py) before they build models. The model and the engine stay plain eager code; this module swaps some of their
+functions for compiled ones where they are looked up, so one call covers the trainer, the engine's prefill and its
+decode (inside the engine's CUDA graphs) alike.
+
+  'off'     eager
+  'hot'     the chains of small elementwise ops: mHC's activations and Sinkhorn, norms, RoPE (compile_hot_paths)
+  'layers'  a whole layer at a time, the head and the losses (compile_layers)
+  'graphs'  bench.py only: 'layers' with the trainer's layers recorded as CUDA graphs
+"""
+import functools
+
+import torch
+
+import engine
+import grpo
+import kv_cache
+import mhc
+import model_dsv4
+import parallel
+
+
+def use_compile(mode):
+    if mode == "hot":
+        compile_hot_paths()
+    elif mode in ("layers", "graphs"):
+        compile_layers(graphs=mode == "graphs")
+    elif mode != "off":
+        raise ValueError(f"compile must be 'off', 'hot' or 'layers', got {mode!r}")
+
+
+def compile_layers(backend="inductor", graphs=False):
+    """torch.compile a whole layer at a time, where a step is bound by launching small kernels: Block.forward (the
+    trainer's layers and MTP), the head (Transformer.logits), the GRPO losses, the engine's prefill and decode of a
+    layer and its sampler. Layers of one kind (window / CSA / HCA, hash or learned router) share one graph, since a
+    module's parameters are inputs of the graph, not constants. The first call of each kind compiles (minutes for
+    bench_2b on an H200).
+
+    The trainer's functions and the prefill take batch and length as symbolic from the first call
+    (_dynamic_batch_and_length): every GRPO step brings new lengths, and a graph for the first step's exact shape
+    would be compiled again at the second. The prefill pads its length to model_dsv4.length_multiple, so one graph of
+    each kind takes every length. Decode keeps static shapes: its batch buckets repeat (Engine.warm_up compiles them).
+    The CPU tests pass backend="aot_eager": the same graphs without code generation.
+
+    graphs=True adds mode="reduce-overhead" to Block.forward: inductor records each layer's forward and backward as
+    CUDA graphs, so the host no longer launches every kernel. It asks for static shapes, no host sync inside a layer,
+    and each forward's backward before the next forward; train_grpo.py's schedule (micro-batches in flight,
+    recompute, a new length every batch) is not checked against that, so only bench.py offers it."""
+    import torch._inductor.config  # here: importing inductor takes seconds, and most runs stay eager
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
+    # inductor's pad_mm pass weighs a GEMM's arithmetic intensity on the symbolic sizes and so guards on batch x
+    # length (a prefill compiled again at a new shape); V4's dims and the padded lengths are multiples of 64 already
+    torch._inductor.config.shape_padding = False
+    trainer = (lambda f: torch.compile(f, backend=backend)) if graphs else \
+              (lambda f: _dynamic_batch_and_length(torch.compile(f, backend=backend)))
+    m = model_dsv4
+    m.Block.forward = torch.compile(m.Block.forward, backend=backend, mode="reduce-overhead") if graphs \
+        else trainer(m.Block.forward)
+    # the head: hc_head's collapse of the streams, the final norm and the head's GEMM (decode calls it with length
+    # 1, which stays static: dynamo specialises sizes 0 and 1)
+    m.Transformer.logits = trainer(m.Transformer.logits)
+    # the losses: log-softmax, gather and entropy fused into a pass or two over the fp32 logits
+    grpo.grpo_loss, grpo.token_logprobs = (trainer(f) for f in (grpo.grpo_loss, grpo.token_logprobs))
+    # the last stage's head and loss in one graph: the loss's backward writes the logits' gradient in bf16
+    parallel.head_loss = trainer(parallel.head_loss)
+    kv_cache.KVCache.prefill_layer = trainer(kv_cache.KVCache.prefill_layer)
+    kv_cache.KVCache.pad_prefill = True
+    kv_cache.KVCache.decode_layer = torch.compile(kv_cache.KVCache.decode_layer, backend=backend)
+    kv_cache.KVCache.step_rope = torch.compile(kv_cache.KVCache.step_rope, backend=backend)
+    engine.sample_tokens = torch.compile(engine.sample_tokens, backend=backend)  # the Gumbel noise: one kernel
+
+
+def _dynamic_batch_and_length(compiled):
+    """Call `compiled` with dims 0 and 1 (batch, length) of its tensor arguments marked dynamic: those of the first
+    tensor argument, and the same dims of every other tensor argument (dict values too: the losses' micro-batch)
+    where the sizes match, so dynamo does not specialise them through an op that joins two tensors. A hint
+    (maybe_mark_dynamic): a size 0 or 1 stays static, and a guard the code needs still specialises."""
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        if not torch.compiler.is_compiling():  # called from compiled code (grpo_loss -> token_logprobs): traced
+            tensors = [t for a in (*args, *kwargs.values()) for t in (a.values() if isinstance(a, dict) else (a,))
+                       if isinstance(t, torch.Tensor)]
+            lead = tensors[0].shape[:2] if tensors else ()
+            for t in tensors:
+                for d, n in enumerate(lead):
+                    if t.dim() > d and t.shape[d] == n:
+                        torch._dynamo.maybe_mark_dynamic(t, d)
+        return compiled(*args, **kwargs)
+    return run
+
+
+def compile_hot_paths():
+    """torch.compile the chains of small elementwise ops that leave a GPU waiting on launches: mHC's activations and
+    Sinkhorn (with the fast kernels off, 20 iterations of sum and divide a sublayer), norms and RoPE."""
+    compile = lambda fn: torch.compile(fn, dynamic=True)
+    m = model_dsv4
+    m.hc_split_sinkhorn, m.hc_mixes, m.apply_rope = (compile(f) for f in (m.hc_split_sinkhorn, m.hc_mixes,
+                                                                          m.apply_rope))
+    mhc.hc_mixes = m.hc_mixes  # where hc_head looks it up
+    m.Block.hc_post = compile(m.Block.hc_post)
+    m.RMSNorm.forward = compile(m.RMSNorm.forward)
