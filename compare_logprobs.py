@@ -50,6 +50,7 @@ from engine import Engine, SamplingParams
 from checkpoint import from_pretrained
 from model_dsv4 import ModelArgs, Transformer
 from quant import FP8Linear, fp4_dequantize, fp4_quantize, fp8_block_dequantize, fp8_block_quantize
+from tasks import load_tokenizer, prompt_ids, toy_problems
 
 # -----------------------------------------------------------------------------
 # models: one fp32 base, prepared per side
@@ -91,11 +92,10 @@ def to_precision(model, precision, invariant=False):
     if precision.startswith("fp8"):
         for name, m in model.named_modules():
             if isinstance(m, FP8Linear) or name.endswith("attn.wo_a"):
-                w = m.weight
                 if precision == "fp8_fp4" and ".experts." in name and ".shared_experts" not in name:
-                    m.weight.copy_(fp4_dequantize(*fp4_quantize(w)))
+                    m.weight.copy_(fp4_dequantize(*fp4_quantize(m.weight)))
                 else:
-                    m.weight.copy_(fp8_block_dequantize(*fp8_block_quantize(w)))
+                    m.weight.copy_(fp8_block_dequantize(*fp8_block_quantize(m.weight)))
         model.set_fp8_emulation(True)
     return model.eval()
 
@@ -294,14 +294,10 @@ if __name__ == "__main__":
     lengths = torch.randint(4, 65, (a.n_prompts,), generator=g).tolist()
     prompts = [torch.randint(2, base.args.vocab_size, (n,), generator=g).tolist() for n in lengths]
     if a.prompts == "toy":  # what a model trained by `python train_grpo.py` was trained on
-        from tasks import load_tokenizer, prompt_ids, toy_problems
         prompts = [prompt_ids(load_tokenizer("bytes"), p["prompt"]) for p in toy_problems()] * (a.n_prompts // 10 + 1)
         prompts = prompts[:a.n_prompts]
-    decode = None
-    if a.tokenizer:
-        from tasks import load_tokenizer
-        tok = load_tokenizer(a.tokenizer)
-        decode = lambda ids: repr(tok.decode(ids))
+    tok = load_tokenizer(a.tokenizer) if a.tokenizer else None
+    decode = (lambda ids: repr(tok.decode(ids))) if a.tokenizer else None
 
     pairs = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")] if a.table else [(a.trainer, a.engine)]
     results = []
@@ -314,9 +310,7 @@ if __name__ == "__main__":
                 inject_untransposed_comb(engine_model, a.inject_bug)
             samples = sample(engine_model, a.rollout_url, prompts, a.temperature, a.max_new_tokens, a.seed)
         if grid is not None:
-            box = [samples]
-            dist.broadcast_object_list(box, src=0)
-            samples = box[0]
+            samples = parallel.broadcast_object(samples, 0, dist.group.WORLD, "samples")
         scores = [trainer_logprobs(trainer, p, o, a.temperature, grid) for p, o, _ in samples]
         if not report:
             continue
@@ -340,6 +334,6 @@ if __name__ == "__main__":
         for (tp, ep), (_, r) in zip(pairs, results):
             print(f"| {tp} | {ep} | {r['mean']:.4f} | {r['p99']:.4f} | {r['max']:.4f} | {r['kl_k3']:.1e} | "
                   f"{r['first']:.4f} | {r['rest']:.4f} |")
-    if grid is not None:  # all ranks leave together, after the report: the reporting rank, still scoring once the
-        dist.barrier()    # others had exited, aborted in gloo's teardown on a loaded CPU (SIGABRT, session 31)
+    if grid is not None:  # all ranks leave together, after the report: a rank still scoring when the others exit
+        dist.barrier()    # aborts in gloo's teardown (SIGABRT on a loaded CPU)
         dist.destroy_process_group()

@@ -1,13 +1,13 @@
 """
 Which functions torch.compile wraps: a program's decision, made once by the entry points (train_grpo.py, server.py,
-bench.py) before they build models. The model and the engine stay plain eager code; this module swaps some of their
+bench/bench.py) before they build models. The model and the engine stay plain eager code; this module swaps some of their
 functions for compiled ones where they are looked up, so one call covers the trainer, the engine's prefill and its
 decode (inside the engine's CUDA graphs) alike.
 
   'off'     eager
   'hot'     the chains of small elementwise ops: mHC's activations and Sinkhorn, norms, RoPE (compile_hot_paths)
   'layers'  a whole layer at a time, the head and the losses (compile_layers)
-  'graphs'  bench.py only: 'layers' with the trainer's layers recorded as CUDA graphs
+  'graphs'  bench/bench.py only: 'layers' with the trainer's layers recorded as CUDA graphs
 """
 import functools
 
@@ -34,8 +34,8 @@ def compile_layers(backend="inductor", graphs=False):
     """torch.compile a whole layer at a time, where a step is bound by launching small kernels: Block.forward (the
     trainer's layers and MTP), the head (Transformer.logits), the GRPO losses, the engine's prefill and decode of a
     layer and its sampler. Layers of one kind (window / CSA / HCA, hash or learned router) share one graph, since a
-    module's parameters are inputs of the graph, not constants. The first call of each kind compiles (minutes for
-    bench_2b on an H200).
+    module's parameters are inputs of the graph, not constants. The first call of each kind compiles (minutes for a
+    2B model on a GPU).
 
     The trainer's functions and the prefill take batch and length as symbolic from the first call
     (_dynamic_batch_and_length): every GRPO step brings new lengths, and a graph for the first step's exact shape
@@ -46,7 +46,7 @@ def compile_layers(backend="inductor", graphs=False):
     graphs=True adds mode="reduce-overhead" to Block.forward: inductor records each layer's forward and backward as
     CUDA graphs, so the host no longer launches every kernel. It asks for static shapes, no host sync inside a layer,
     and each forward's backward before the next forward; train_grpo.py's schedule (micro-batches in flight,
-    recompute, a new length every batch) is not checked against that, so only bench.py offers it."""
+    recompute, a new length every batch) is not checked against that, so only bench/bench.py offers it."""
     import torch._inductor.config  # here: importing inductor takes seconds, and most runs stay eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
     # inductor's pad_mm pass weighs a GEMM's arithmetic intensity on the symbolic sizes and so guards on batch x

@@ -350,8 +350,8 @@ class Engine:
     def warm_up(self):
         """Decode once at every bucket, on the scratch slot, before the first request: under compile='layers' the
         first batch sizes compile each kind of layer (the first with a static batch, the next again with a dynamic
-        one) and a GPU captures each bucket's graph, which the first rollout paid otherwise (174 s for bench_2b on
-        an H200, session 17). With a compiled prefill (KVCache.pad_prefill) also two prefills there, of 2 prompts
+        one) and a GPU captures each bucket's graph, which the first rollout would pay otherwise. With a compiled
+        prefill (KVCache.pad_prefill) also two prefills there, of 2 prompts
         padded to one length multiple and of 3 to two, after which batch and length are dynamic in every piece of
         the compiled layers (a size first seen as 1, or only once in a piece after a graph break, would compile
         again at the first request). Returns the seconds it took."""

@@ -56,10 +56,9 @@ class _TargetLogprob(torch.autograd.Function):
     gradient over the vocabulary is g * ([j = t] - softmax(z)_j), one pass over the logits with each row's
     log-sum-exp kept from the forward. Autograd's own backward (gather's, a zero-filled [..., V] with g scattered
     in, then log_softmax's, a row sum and a pass) reads and writes the [tokens, vocab] tensors three times; compiled,
-    this one is a single kernel (bench_2b's 4096 x 129280 fp32 logits: 2.1 GB), eager three in-place passes over one
-    tensor (grpo_loss eager on an H200: 16.8 ms with a first version that made five such tensors, 11.2 with
-    autograd's backward). The forward is log_softmax and gather as before, so the values round as the engine's do
-    (bit-equal under set_invariant); the log-sum-exp comes back from them as z[t] - logprob."""
+    this one is a single kernel, eager three in-place passes over one tensor. The forward is plain log_softmax and
+    gather, so the values round as the engine's do (bit-equal under set_invariant); the log-sum-exp comes back from
+    them as z[t] - logprob."""
     @staticmethod
     def forward(ctx, logits, tgt):
         z_t = logits.gather(-1, tgt[..., None])

@@ -103,9 +103,8 @@ class KVCache:
 
     def _fill(self, c, slots, L, kv, comps):
         """Write a prefilled batch into cache rows slots (int64 [B]), prompt b being L[b] tokens of the right-padded
-        T: in one op per buffer for the whole batch (a loop over the sequences had 64 prompts of 32 tokens admitted
-        in 266 ms on an H200, now 111: bench/probe_admit.py, session 24). Rows past a prompt's end get the pads'
-        values, as decode never reads them before it writes them: compressed entries from L // ratio on are masked
+        T: in one op per buffer for the whole batch, not a loop over the sequences. Rows past a prompt's end get the
+        pads' values, as decode never reads them before it writes them: compressed entries from L // ratio on are masked
         until decode emits them, and a partial window's rows are written by decode before the window is pooled."""
         W = self.args.sliding_window
         b = torch.arange(len(L), device=L.device)[:, None]

@@ -1,12 +1,15 @@
 """
 DeepSeek-V4 (Flash) in plain PyTorch: one nn.Module per paper concept, training-first.
 
-Spec: ../shared/docs/dsv4_spec.md. Parameter names equal the official checkpoint names
-(`layers.3.attn.wq_a.weight`, `layers.0.ffn.gate.tid2eid`, `hc_head_fn`, ...), so one name space serves
-loading, saving (checkpoint.py) and weight sync to SGLang. Precision is explicit: parameters and the residual stream are
-in the model dtype (bf16 by default, fp32 for parity tests); mHC, router, compressor pooling, norms and
-logits are computed in fp32 as in the reference. Every mechanism is in the full-sequence (training) form;
-engine.py holds the KV-cache decode form of the same modules.
+Parameter names equal the official checkpoint names (`layers.3.attn.wq_a.weight`, `layers.0.ffn.gate.tid2eid`,
+`hc_head_fn`, ...), so one name space serves loading, saving (checkpoint.py) and weight sync to SGLang. Precision is
+explicit: parameters and the residual stream are in the model dtype (bf16 by default, fp32 for parity tests); mHC,
+router, compressor pooling, norms and logits are computed in fp32 as in the reference. Every mechanism is in the
+full-sequence (training) form; kv_cache.py holds the decode form of the same modules. The MoE layer and its
+expert-parallel dispatch live in moe.py, mHC's functions in mhc.py.
+
+Fast paths (dsv4_kernels/) replace some calls when `Transformer.set_kernels(True)`; the plain reference sits beside
+each call and is what the tests hold the fast paths to.
 
 Shape legend: B batch, T tokens, D hidden, n hc streams, H heads, d head dim, rd rope dims,
 S compressed entries (T // ratio), E routed experts, K experts per token, N = B*T tokens.
@@ -20,16 +23,14 @@ from functools import cached_property, lru_cache
 
 import torch
 import torch.nn as nn
-import torch.distributed as dist
 import torch.nn.functional as F
 from dsv4_kernels import has_triton
 from dsv4_kernels.decode import q_norm_rope_triton
-from dsv4_kernels.fast import (fuse_rows_, grouped_experts, is_fused, is_stacked, linear_f32, matmul_f32, stack_experts_,
-                               window_attention)
+from dsv4_kernels.fast import fuse_projections, linear_f32, matmul_f32, stack_experts, window_attention
 from dsv4_kernels.invariant import PathInvariant
 from dsv4_kernels.mhc_triton import HC_PRE_TOKENS, hc_post_triton, hc_pre_triton
-from dsv4_kernels.route import pair_order_triton, route_triton, sort_pairs_triton
 from mhc import hc_head, hc_mixes, hc_split_sinkhorn
+from moe import MoE
 from quant import FP8Linear, index_quant_sim, kv_quant_sim
 
 # -----------------------------------------------------------------------------
@@ -219,8 +220,7 @@ def rope_cos_sin(args, ratio, pos):
     else:
         items = tuple(sorted((args.rope_scaling or {}).items()))
         inv = rope_inv_freq(args.qk_rope_head_dim, float(args.compress_rope_theta), items, pos.device)
-    # decode's [B, 1] positions: a few numbers, which torch.compile folds into the kernels that rotate by them (the
-    # op ran four small kernels of its own for each of bench_2b's 26 calls a decode step, session 23)
+    # decode's [B, 1] positions: a few numbers, which torch.compile folds into the kernels that rotate by them
     return angles(pos, inv) if pos.dim() > 1 else rope_angles(pos, inv)
 
 
@@ -232,8 +232,7 @@ def angles(pos, inv):
 @torch.library.custom_op("nano_dsv4::rope_angles", mutates_args=())
 def rope_angles(pos: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of pos[:, None] * inv, fp32. An op of its own, opaque to torch.compile, which otherwise computes
-    cos again for every element of each tensor it rotates (bench_2b's inverse RoPE on an H200: 140 -> 90 us a window
-    layer, bench/RESULTS.md, session 22)."""
+    cos again for every element of each tensor it rotates."""
     return angles(pos, inv)
 
 
@@ -334,8 +333,8 @@ class Indexer(nn.Module):
         w = F.linear(x, self.weights_proj.weight) if w is None else w
         w = w.float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         s = matmul_f32(q.flatten(1, 2), k.transpose(1, 2)).view(B, T, self.n_heads, -1).relu()
-        if torch.compiler.is_compiling():  # inductor fuses the ReLU, product and sum into one pass over s (on an
-            return (s * w[..., None]).sum(2)  # H200, bench_2b: 0.16 against 0.32 ms, bench/probe_layer.py)
+        if torch.compiler.is_compiling():  # inductor fuses the ReLU, product and sum into one pass over s
+            return (s * w[..., None]).sum(2)
         return torch.einsum("bths,bth->bts", s, w)  # eager: a batched GEMV
 
     def forward(self, x, qr, args, visible):
@@ -350,8 +349,7 @@ class Indexer(nn.Module):
 def top_k_mask(score, k):
     """bool [..., S]: each row's k largest scores, ties (several entries at score 0 after the indexer's ReLU) going to
     the earliest entry, whatever the row's length, so padding or decoding never changes the pick: the first k of a
-    stable descending sort, without the sort (the k-th largest value by topk, then a running count of the ties;
-    on an H200 the CSA layers' sorts took 1.1 ms of bench_2b's 70 ms training step, session 15)."""
+    stable descending sort, without the sort: the k-th largest value by topk, then a running count of the ties."""
     if k >= score.shape[-1]:
         return torch.ones_like(score, dtype=torch.bool)
     kth = score.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
@@ -455,257 +453,6 @@ class Attention(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# MoE: sqrt-softplus router (or a hash table), clamped SwiGLU experts, one shared expert
-
-class Gate(nn.Module):
-    """Router. Learned layers pick top-k of (score + bias); the bias steers selection only.
-    Hash layers (layer_id < num_hash_layers) pick tid2eid[token_id]; the learned scores still weight them."""
-    def __init__(self, layer_id, args):
-        super().__init__()
-        self.args, self.hash = args, layer_id < args.num_hash_layers
-        E, K = args.n_routed_experts, args.num_experts_per_tok
-        self.weight = nn.Parameter(torch.empty(E, args.hidden_size))
-        # Buffers, not parameters: neither gets a gradient. Both are saved and synced (a zero tid2eid is a
-        # different model). bias is moved by load balancing, which RL leaves frozen.
-        if self.hash:
-            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, K, dtype=torch.int64))
-        else:
-            self.register_buffer("bias", torch.zeros(E, dtype=torch.float32))
-
-    def forward(self, x, ids, logits=None, fast=False):
-        # x: [N, D], ids: [N] -> weights [N, K] fp32, expert ids [N, K]; logits: linear_f32(x, weight) if computed
-        logits = linear_f32(x, self.weight) if logits is None else logits
-        f, a = self.args.scoring_func, self.args
-        if fast and has_triton(logits) and not torch.is_grad_enabled():  # without grad on a GPU: one Triton kernel
-            return route_triton(logits, self.tid2eid if self.hash else self.bias, ids, a.num_experts_per_tok, f,
-                                self.hash, a.norm_topk_prob, a.routed_scaling_factor)
-        scores = logits.softmax(-1) if f == "softmax" else logits.sigmoid() if f == "sigmoid" else F.softplus(logits).sqrt()
-        if self.hash:
-            idx = self.tid2eid[ids]
-        else:
-            idx = (scores + self.bias).topk(self.args.num_experts_per_tok, dim=-1).indices
-        w = scores.gather(1, idx)
-        if self.args.norm_topk_prob:
-            w = w / w.sum(dim=-1, keepdim=True)
-        return w * self.args.routed_scaling_factor, idx
-
-
-class Expert(nn.Module):
-    """SwiGLU with a clamp: gate clamped from above, up on both sides; the routing weight multiplies
-    before w2, in fp32 (reference order)."""
-    def __init__(self, dim, inter_dim, limit):
-        super().__init__()
-        self.limit = limit
-        self.w1 = FP8Linear(dim, inter_dim, bias=False)
-        self.w2 = FP8Linear(inter_dim, dim, bias=False)
-        self.w3 = FP8Linear(dim, inter_dim, bias=False)
-
-    def forward(self, x, weights=None):
-        g, u = self.w1(x).float(), self.w3(x).float()
-        if self.limit:
-            g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
-        h = F.silu(g) * u
-        if weights is not None:
-            h = h * weights[:, None]
-        return self.w2(h.to(x.dtype))
-
-
-def group_size(group):
-    return dist.get_world_size(group) if group is not None else 1
-
-
-def all_to_all_single(out, x, out_splits, in_splits, group):
-    """dist.all_to_all_single that names the group and op when it fails (a dead or mismatched peer)."""
-    try:
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    except RuntimeError as e:
-        raise RuntimeError(f"EP all_to_all_single on ranks {dist.get_process_group_ranks(group)} "
-                           f"failed on rank {dist.get_rank()}: {e}") from e
-    return out
-
-
-class AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; the backward sends the gradients back the way they came."""
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return all_to_all_single(x.new_empty((sum(out_splits), *x.shape[1:])), x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
-
-
-def all_to_all(x, out_splits, in_splits, group):
-    return AllToAll.apply(x, out_splits, in_splits, group) if group_size(group) > 1 else x
-
-
-def dispatch(x, weights, idx, n_local, group, count=False, fast=False):
-    """Send every (token, expert) pair to the rank holding the expert; experts are sharded in contiguous
-    blocks of n_local over the EP group. x: [N, D], weights/idx: [N, K] ->
-    rows xs [R, D] and weights ws [R] grouped by local expert, counts per local expert, and what combine needs."""
-    ep = group_size(group)
-    if ep == 1 and count and fast and has_triton(x) and not torch.is_grad_enabled():  # decode: one Triton kernel
-        xs, ws, order, inv, send = sort_pairs_triton(x, weights, idx, n_local)
-        return xs, ws, send, (order, inv, None, None, None)
-    flat = idx.flatten()
-    order, inv, send = expert_order(flat, n_local * ep, count, fast)  # pairs sorted by expert, hence by rank
-    xs = Picks.apply(x, order, inv, idx.shape[1])  # [N * K, D]: row r is token order[r] // K
-    if ep == 1:  # nothing to exchange: the counts stay on the device (no host sync)
-        return xs, weights.flatten()[order], send, (order, inv, None, None, None)
-    recv = send
-    if ep > 1:  # recv[r * n_local + j]: pairs rank r sends to my local expert j
-        recv = all_to_all_single(torch.empty_like(send), send, None, None, group)
-    send_splits = send.view(ep, n_local).sum(1).tolist()  # device -> host sync: the split sizes
-    recv_splits = recv.view(ep, n_local).sum(1).tolist()
-    xs = all_to_all(xs, recv_splits, send_splits, group)  # [R, D], source-rank-major
-    ws = all_to_all(weights.flatten()[order], recv_splits, send_splits, group)
-    # regroup the received rows from (source rank, expert) order to (expert, source rank) order
-    chunks = torch.arange(xs.shape[0], device=x.device).split(recv.tolist())
-    perm = torch.cat([chunks[r * n_local + j] for j in range(n_local) for r in range(ep)])
-    counts = recv.view(ep, n_local).sum(0).tolist()
-    return xs[perm], ws[perm], counts, (order, inv, perm, send_splits, recv_splits)
-
-
-def combine(ys, ctx, n_tokens, top_k, group):
-    """The exact reverse of dispatch: ys [R, D] (grouped by local expert) -> fp32 [N, D], summed over top-k."""
-    order, inv, perm, send_splits, recv_splits = ctx
-    out = ys
-    if perm is not None:
-        ys = ys[torch.argsort(perm)]  # back to (source rank, expert) order
-        out = all_to_all(ys, send_splits, recv_splits, group)  # back home, in `order`
-    return PickSum.apply(out, order, inv, top_k)
-
-
-# The (token, pick) pairs sorted by expert: row r is pair order[r] (token order[r] // K, its pick order[r] % K), and
-# pair p is row inv[p]. dispatch's copy of each token's row once per pick and combine's sum of a token's K rows are
-# each other's transpose, so each one's backward is the other's forward: gathers both ways, where autograd's backward
-# of an index scatters with atomics into zeros, in no fixed order (bench_2b's step: 1.85 -> 0.50 ms of fills and
-# scatters on an H200, bench/RESULTS.md, session 22).
-
-def inverse_permutation(order):
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-
-
-def expert_order(flat, n_experts, count=False, fast=False):
-    """(order, inv) of the pairs' expert ids flat [P] sorted stably: a radix sort on the narrowest key that holds an
-    id (a GPU's takes one pass per byte of key: 8 for int64, ~50 us for bench_2b's 24576 pairs in 12 layers on an
-    H200). count (a decode step's few hundred pairs): pair p's row is the number of pairs of lower experts plus its
-    own expert's pairs before it, from an [E, P] table (torch.compile sorted bench_2b's 384 in one 14 us kernel a
-    layer on an H200, session 23; fast, without grad on a GPU: dsv4_kernels.route.pair_order_triton). All give the same
-    order.
-    Also the pairs per expert [n_experts] (scatter_add, not bincount, which reads the max id back to the host)."""
-    if count and fast and has_triton(flat) and not torch.is_grad_enabled():
-        return pair_order_triton(flat, n_experts)
-    per = torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    if not count:
-        order = flat.to(torch.uint8 if n_experts <= 256 else torch.int32).argsort(stable=True)
-        return order, inverse_permutation(order), per
-    hit = (flat[None, :] == torch.arange(n_experts, device=flat.device)[:, None]).long()  # [E, P]
-    before = per.cumsum(0) - per  # pairs of lower experts
-    inv = before[flat] + (hit.cumsum(1) - hit).gather(0, flat[None, :])[0]
-    return inverse_permutation(inv), inv, per
-
-
-def spread_rows(x, order, k):
-    """x [N, D] -> [N * K, D]: token order[r] // K's row in row r."""
-    return x[order // k]
-
-
-def sum_picks(rows, inv, k):
-    """rows [N * K, D] in sorted order -> [N, D] in fp32 (or fp64 rows' fp64): each token's K rows back in pair order,
-    summed in a fixed order (its picks 0 .. K - 1)."""
-    return rows[inv].view(-1, k, rows.shape[-1]).sum(1, dtype=torch.promote_types(rows.dtype, torch.float32))
-
-
-class Picks(torch.autograd.Function):
-    """spread_rows with sum_picks as its backward."""
-    @staticmethod
-    def forward(ctx, x, order, inv, k):
-        ctx.save_for_backward(inv)
-        ctx.k = k
-        return spread_rows(x, order, k)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return sum_picks(grad, ctx.saved_tensors[0], ctx.k).to(grad.dtype), None, None, None
-
-
-class PickSum(torch.autograd.Function):
-    """sum_picks with spread_rows as its backward."""
-    @staticmethod
-    def forward(ctx, rows, order, inv, k):
-        ctx.save_for_backward(order)
-        ctx.k, ctx.dtype = k, rows.dtype
-        return sum_picks(rows, inv, k)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return spread_rows(grad, ctx.saved_tensors[0], ctx.k).to(ctx.dtype), None, None, None
-
-
-class MoE(nn.Module):
-    """Routed experts + one shared expert. Every V4 layer is MoE; there are no dense FFN layers.
-    With an EP group, this rank holds experts [ep_rank * n_local, (ep_rank + 1) * n_local); the router
-    and the shared expert are replicated. Expert names keep their global index (experts.{e})."""
-    fast = False  # set by Transformer.set_kernels: grouped GEMM experts (dsv4_kernels/fast.py)
-    stacked = None  # the local experts' weights in two stacks, the parameters views of them: Transformer.stack_experts
-    def __init__(self, layer_id, args, ep_group=None):
-        super().__init__()
-        self.args, self.ep_group = args, ep_group
-        ep, E = group_size(ep_group), args.n_routed_experts
-        assert E % ep == 0, f"n_routed_experts ({E}) must divide by ep_size ({ep})"
-        self.n_local = E // ep
-        first = (dist.get_rank(ep_group) if ep > 1 else 0) * self.n_local
-        self.gate = Gate(layer_id, args)
-        self.experts = nn.ModuleDict({str(e): Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
-                                      for e in range(first, first + self.n_local)})
-        self.shared_experts = Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
-
-    def run_experts(self, xs, ws, counts, x=None, decode=False):
-        """Each local expert on its contiguous slice of rows. xs: [R, D], ws: [R] -> ([R, D], None); x [N, D], this
-        rank's tokens: the shared expert's output [N, D] in place of None where the decode kernels computed it with the
-        routed experts (dsv4_kernels.fast.grouped_experts, for a decode step's rows), one weight-bound pass for all, where
-        it was a GEMM, the SwiGLU and another GEMM after them."""
-        # grouped GEMM: bf16 on CUDA (any dtype on the CPU); FP8 emulation has its sims in Expert only
-        if self.fast and (xs.dtype == torch.bfloat16 or not xs.is_cuda) and not self.shared_experts.w1.fp8_emu:
-            counts = counts if torch.is_tensor(counts) else torch.tensor(counts, device=xs.device)
-            shared = None if x is None or self.shared_experts.w1.weight.dtype != xs.dtype else (x, self.shared_experts)
-            out = grouped_experts(list(self.experts.values()), xs, ws, counts, self.args.swiglu_limit, self.stacked,
-                                  shared, decode)
-            return out if shared is not None else (out, None)
-        return self.loop_experts(xs, ws, counts), None
-
-    @torch.compiler.disable  # row counts read on the host: under compile='layers' this runs eagerly (inductor
-    def loop_experts(self, xs, ws, counts):  # failed on the padded slices of such data-dependent sizes on an H200)
-        """The reference path: a loop over the local experts (fp32 on a GPU, FP8 emulation, kernels off)."""
-        out, start = [], 0
-        counts = counts.tolist() if torch.is_tensor(counts) else counts
-        for expert, c in zip(self.experts.values(), counts):
-            # Pad the group to a multiple of 8 rows: BLAS picks other kernels for small odd row counts,
-            # which would make a token's output depend on how many other tokens chose this expert
-            # (and break bit-exact causality / batch invariance).
-            pad = -c % 8
-            out.append(expert(F.pad(xs[start:start + c], (0, 0, 0, pad)), F.pad(ws[start:start + c], (0, pad)))[:c])
-            start += c
-        return torch.cat(out) if out else xs
-
-    def forward(self, x, ids):
-        # x: [B, T, D], ids: [B, T] -> [B, T, D]
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        weights, idx = self.gate(x, ids.reshape(-1), fast=self.fast)
-        decode = shape[1] == 1
-        xs, ws, counts, ctx = dispatch(x, weights, idx, self.n_local, self.ep_group, decode, self.fast)
-        ys, shared = self.run_experts(xs, ws, counts, x, decode)
-        y = combine(ys, ctx, x.shape[0], idx.shape[1], self.ep_group)
-        if shared is None:  # not computed with the routed experts
-            shared = self.shared_experts(x)
-        return (y + shared.float()).to(x.dtype).view(shape)
-
-
-# -----------------------------------------------------------------------------
 # mHC: n residual streams, mixed by a doubly-stochastic matrix (the functions: mhc.py)
 
 class Block(nn.Module):
@@ -728,7 +475,7 @@ class Block(nn.Module):
         # x: [B, T, n, D] -> input [B, T, D] (through norm, the sublayer's RMSNorm, if given), post [B, T, n],
         # comb [B, T, n, n]
         a = self.args
-        # a decode step's few tokens only (T == 1): a compiled prefill that branched on its size compiled again
+        # a decode step's few tokens only (T == 1): a compiled prefill that branched on its size would compile again
         if (self.fast and has_triton(x) and not torch.is_grad_enabled() and x.shape[1] == 1
                 and x.shape[0] <= HC_PRE_TOKENS):
             return hc_pre_triton(x, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps,  # the norm in
@@ -741,11 +488,11 @@ class Block(nn.Module):
 
     def hc_post(self, f, x, post, comb):
         # stream k <- post_k * f + sum_j comb[j, k] * x_j: the residual mix uses comb *transposed*
-        if self.fast and has_triton(x) and torch.is_grad_enabled():  # training on a GPU: dsv4_kernels/mhc_triton.py's
-            return hc_post_triton(f, x, post, comb)  # kernels, for the backward's sums over D in one pass
+        if self.fast and has_triton(x) and torch.is_grad_enabled():  # training on a GPU: Triton, for the
+            return hc_post_triton(f, x, post, comb)  # backward's sums over D in one pass
         y = post.unsqueeze(-1) * f.float().unsqueeze(-2)
         if torch.compiler.is_compiling():  # a sum over the n input streams, which compile fuses into one kernel;
-            for j in range(x.shape[-2]):   # eager runs the batched matmul faster (bench/probe_hc_post.py)
+            for j in range(x.shape[-2]):   # eager runs the batched matmul faster
                 y = y + comb[..., j, :].unsqueeze(-1) * x[..., j, None, :].float()
             return y.to(x.dtype)
         return (y + torch.matmul(comb.transpose(-1, -2), x.float())).to(x.dtype)
@@ -813,7 +560,7 @@ class Transformer(nn.Module):
         zero biases, sinks and ape, a hash table with distinct experts per row. Each tensor draws from a
         generator seeded by its name, so a pipeline stage or an expert shard gets exactly the values the
         whole model would. draw_on: the device whose generator draws (the CPU's give every machine the same
-        values; a GPU's draw a model of tens of GB in seconds, other values: bench.py)."""
+        values; a GPU's draw tens of GB in seconds, other values: bench.py)."""
         for name, t in list(self.named_parameters()) + list(self.named_buffers()):
             g = torch.Generator(draw_on).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             if name.endswith("tid2eid"):
@@ -842,55 +589,34 @@ class Transformer(nn.Module):
         return self
 
     def set_kernels(self, fast=True):
-        """dsv4_kernels/fast.py's block-wise window attention, grouped GEMM experts, bf16 mHC mixes and Triton Sinkhorn (on)
-        or the plain reference (off)."""
+        """The fast paths of dsv4_kernels/ (on) or the plain reference beside each call (off): block-wise window
+        attention, grouped-GEMM experts, mHC on tensor cores and in Triton, and the decode step's kernels."""
         for m in (m for m in self.modules() if isinstance(m, (Attention, MoE, Block, Transformer))):
             m.fast = fast
         return self
 
     def stack_experts(self):
-        """With the grouped GEMM on (set_kernels), keep each MoE's local experts in two stacked tensors, the
-        experts' parameters views of them (dsv4_kernels.fast.stack_experts_), so that each forward reads them in place.
-        Re-stacks the layers whose parameters something replaced (a dtype or device cast, a load with assign=True):
-        every forward calls this first (two pointer checks per layer), since compiled code reads the stacks as
-        given. Returns whether it stacked anything (the engine's CUDA graphs then read old stacks)."""
-        changed = False
-        for m in (block.ffn for block in (*self.layers.values(), *self.mtp)):  # not modules(): 9 ms per walk
-            if m.fast and not is_stacked(list(m.experts.values()), m.stacked):  # of bench_2b's 3644 (dev CPU)
-                m.stacked, changed = stack_experts_(list(m.experts.values())), True
-                for t in m.stacked:  # to compile's CUDA graphs a fixed address, as a parameter's (not copied in)
-                    torch._dynamo.mark_static_address(t, guard=False)
-        return changed
+        """With the kernels on, each MoE's local experts in two stacked tensors that the grouped GEMM reads in place,
+        the experts' parameters views of them (dsv4_kernels.fast.stack_experts). Every forward calls this first:
+        it re-stacks what a cast or a load replaced. Returns whether it stacked anything."""
+        return stack_experts([block.ffn for block in (*self.layers.values(), *self.mtp)])
 
     def fuse_projections(self):
-        """The engine's (with the fast kernels on, no FP8 emulation): each layer's attention projections that read the
-        same input (wq_a, wkv, the compressors' and the indexer's weights_proj) in one tensor, the weights views of it
-        (dsv4_kernels.fast.fuse_rows_), so that decode runs them as one GEMM (dsv4_kernels.fast.fused_projections; on an H200,
-        bench_2b at batch 64: 103 GEMMs a step in 0.43 ms, fused 0.13, bench/probe_fused_proj.py, when the MoE's router
-        and shared expert were fused too; the decode kernels now compute the shared expert with the routed ones, and the
-        router is one GEMM). Re-fuses what something replaced, like stack_experts; returns whether it fused."""
-        changed = False
-        for m in (block.attn for block in self.layers.values()):
-            linears = m.fused_linears
-            if not m.fast or any(getattr(w, "fp8_emu", False) or w.weight.dtype != linears[0].weight.dtype
-                                 for w in linears):  # each projection on its own (one dtype: no silent upcast)
-                m.fused = None
-            elif not is_fused([w.weight for w in linears], m.fused):
-                m.fused, changed = fuse_rows_([w.weight for w in linears]), True
-                torch._dynamo.mark_static_address(m.fused, guard=False)
-        return changed
+        """The engine's decode, kernels on: each layer's attention projections of one input in one tensor, run as one
+        GEMM (dsv4_kernels.fast.fuse_projections). Returns whether it fused anything."""
+        return fuse_projections([block.attn for block in self.layers.values()])
 
     def set_invariant(self, on=True):
         """Path-invariant numerics (compare_logprobs --invariant, rollout.py --serve --invariant): a token's logprob
         no longer depends on how it was computed (one full forward, or prefill + KV-cache decode in a batch of any
-        size). Every sum and transcendental function in fp64 (dsv4_kernels.invariant.PathInvariant, entered by numerics()), with
-        the reference experts and attention (grouped_mm has no fp64). Weights and activations keep their dtype."""
+        size). Every sum and transcendental function in fp64 (dsv4_kernels.invariant.PathInvariant, entered by
+        numerics()), with the reference paths (grouped_mm has no fp64). Weights and activations keep their dtype."""
         self.invariant = on
         return self.set_kernels(False) if on else self
 
     def numerics(self):
-        """The context each forward and engine step runs in: dsv4_kernels.invariant.PathInvariant once set_invariant (unless one
-        is active already: a caller scoring with the mode on, whose forward would enter it again), else none."""
+        """The context each forward and engine step runs in: PathInvariant once set_invariant (unless one is active
+        already: a caller scoring with the mode on, whose forward would enter it again), else none."""
         active = isinstance(torch.utils._python_dispatch._get_current_dispatch_mode(), PathInvariant)
         return PathInvariant() if self.invariant and not active else contextlib.nullcontext()
 

@@ -78,11 +78,9 @@ def fp8_block_quantize(w, block=128, scale_fmt="ue8m0"):
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=FP8_AMAX_MIN)  # [R, C]
     if scale_fmt == "ue8m0":
         byte = _pow2_ceil_byte(amax / FP8_MAX)
-        s = e8m0_to_float(byte)
-        scale = byte.view(torch.float8_e8m0fnu)
+        s, scale = e8m0_to_float(byte), byte.view(torch.float8_e8m0fnu)
     else:
-        s = amax / FP8_MAX
-        scale = s
+        s = scale = amax / FP8_MAX
     q = (blocks / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     # torch's cast to e4m3fn rounds to nearest, ties to even.
     q = q.to(torch.float8_e4m3fn).view(R * block, C * block)[:out_f, :in_f]
@@ -148,31 +146,25 @@ def fp4_dequantize(packed_int8, scale_e8m0, dtype=torch.float32):
     return w.to(dtype)
 
 
-def _blockwise_last_dim(x, block):
-    """x [..., n] -> float32 view [..., n_padded / block, block] plus the original n."""
+def _fake_quant(x, block, qmax, amax_min, round_):
+    """Quantize-dequantize x with one power-of-two scale per `block` elements of the last dim (zero-padded to a
+    multiple of it), rounding with round_. Same dtype out as in; the math runs in float32."""
     n = x.shape[-1]
     xf = _pad_to(x.float(), -1, block)
-    return xf.view(*xf.shape[:-1], xf.shape[-1] // block, block), n
+    xb = xf.view(*xf.shape[:-1], xf.shape[-1] // block, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=amax_min)
+    s = e8m0_to_float(_pow2_ceil_byte(amax / qmax))
+    return (round_((xb / s).clamp(-qmax, qmax)) * s).flatten(-2)[..., :n].to(x.dtype)
 
 
 def fake_quant_fp8(x, block=128):
-    """Quantize-dequantize x to e4m3 with one power-of-two scale per `block` elements of the last
-    dim (per token for activations). Same dtype out as in; the math runs in float32."""
-    xb, n = _blockwise_last_dim(x, block)
-    amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=FP8_AMAX_MIN)
-    s = e8m0_to_float(_pow2_ceil_byte(amax / FP8_MAX))
-    q = (xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    return (q * s).flatten(-2)[..., :n].to(x.dtype)
+    """e4m3, one scale per `block` elements of the last dim (per token for activations)."""
+    return _fake_quant(x, block, FP8_MAX, FP8_AMAX_MIN, lambda v: v.to(torch.float8_e4m3fn).float())
 
 
 def fake_quant_fp4(x, block=32):
-    """Quantize-dequantize x to e2m1 with one power-of-two scale per `block` elements of the last
-    dim (the indexer's FP4 sim, applied after hadamard()). Same dtype out as in."""
-    xb, n = _blockwise_last_dim(x, block)
-    amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=FP4_AMAX_MIN)
-    s = e8m0_to_float(_pow2_ceil_byte(amax / FP4_MAX))
-    q = _e2m1_round((xb / s).clamp(-FP4_MAX, FP4_MAX))
-    return (q * s).flatten(-2)[..., :n].to(x.dtype)
+    """e2m1, one scale per `block` elements of the last dim (the indexer's FP4 sim, applied after hadamard())."""
+    return _fake_quant(x, block, FP4_MAX, FP4_AMAX_MIN, _e2m1_round)
 
 
 # -----------------------------------------------------------------------------

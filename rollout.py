@@ -125,6 +125,16 @@ class RolloutClient:
         except ValueError:
             return resp.status, raw.decode(errors="replace")
 
+    def _call(self, url, method, path, body=None, timeout=None):
+        """_http that does not raise -> (JSON body or None, error or None). An error: connection trouble, a status
+        other than 200, or a weight update's {"success": false}."""
+        try:
+            status, out = self._http(url, method, path, body, timeout)
+        except RETRYABLE as e:
+            return None, f"{type(e).__name__}: {e}"
+        failed = status != 200 or (isinstance(out, dict) and out.get("success") is False)
+        return out, f"HTTP {status}: {error_message(out)}" if failed else None
+
     def _mark_down(self, url, err):
         """Out of rotation for a backoff. The failures of requests that were already in flight when the URL
         went down are the same incident: they do not count again."""
@@ -215,12 +225,7 @@ class RolloutClient:
     def health(self, timeout=30.0):
         """GET /health on every URL -> {url: ok}. A passing URL is back in rotation; a failing one is out for
         a backoff, its error in last_error."""
-        def check(url):
-            try:
-                status, out = self._http(url, "GET", "/health", timeout=timeout)
-                return None if status == 200 else f"HTTP {status}: {error_message(out)}"
-            except RETRYABLE as e:
-                return f"{type(e).__name__}: {e}"
+        check = lambda url: self._call(url, "GET", "/health", timeout=timeout)[1]
         with ThreadPoolExecutor(len(self.urls)) as pool:
             errors = dict(zip(self.urls, pool.map(check, self.urls)))
         for url, err in errors.items():
@@ -233,15 +238,8 @@ class RolloutClient:
     def _fanout(self, method, path, body=None):
         """The same call on every URL at once -> {url: response}. No retries: an admin call that failed on
         one server leaves the servers out of step, so it raises, naming every URL that failed and why."""
-        def call(url):
-            try:
-                status, out = self._http(url, method, path, body)
-            except RETRYABLE as e:
-                return None, f"{type(e).__name__}: {e}"
-            failed = status != 200 or (isinstance(out, dict) and out.get("success") is False)
-            return out, f"HTTP {status}: {error_message(out)}" if failed else None
         with ThreadPoolExecutor(len(self.urls)) as pool:
-            results = dict(zip(self.urls, pool.map(call, self.urls)))
+            results = dict(zip(self.urls, pool.map(lambda u: self._call(u, method, path, body), self.urls)))
         failed = "".join(f"\n  {u}: {err}" for u, (_, err) in results.items() if err)
         if failed:
             raise RuntimeError(f"{method} {path} failed on:{failed}")
@@ -308,10 +306,10 @@ if __name__ == "__main__":
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the trainer) is gone")
     args = p.parse_args()
     import server
+    import torch
     if args.serve:
         if not args.model:
             p.error("--serve needs --model")
-        import torch
         if args.invariant and args.compile != "off":
             p.error("--invariant runs eager (a Python dispatch mode per op): leave --compile off")
         if args.compile == "layers" and (args.device == "cpu" or not torch.cuda.is_available()):
@@ -321,7 +319,6 @@ if __name__ == "__main__":
     # Self-check on CPU in seconds: a tiny random model behind the embedded server; the client's logprobs
     # equal the training forward's, and the seeds make a rerun draw the same tokens.
     import tempfile
-    import torch
     from checkpoint import save_pretrained
     from model_dsv4 import ModelArgs, Transformer
     t0 = time.time()

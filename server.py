@@ -62,12 +62,10 @@ ENDPOINTS = {"generate": ("POST", "PUT"), "health": GET, "health_generate": GET,
              "update_weights_from_distributed": POST, "destroy_weights_update_group": POST,
              "update_weights_from_tensor": POST,
              "get_weights_by_name": ("GET", "POST"), "update_weight_version": POST}
-# what changes the served weights or stops generation: a server that listens beyond localhost answers these only
-# with --api-key set (403 otherwise), so nobody on the network can swap the model
-GUARDED = {"/pause_generation", "/continue_generation", "/abort_request", "/flush_cache", "/begin_weight_update",
-           "/end_weight_update", "/update_weights_from_disk", "/init_weights_update_group",
-           "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weight_version",
-           "/update_weights_from_tensor"}
+# every endpoint but these changes the served weights or stops generation: a server that listens beyond localhost
+# answers them only with --api-key set (403 otherwise), so nobody on the network can swap the model
+UNGUARDED = {"generate", "health", "health_generate", "model_info", "get_weights_by_name"}
+GUARDED = {f"/{name}" for name in ENDPOINTS if name not in UNGUARDED}
 
 
 def is_num(v):
@@ -271,16 +269,7 @@ class Handler(BaseHTTPRequestHandler):
     timeout = 120  # seconds a client may take to send its request: a stalled upload frees its thread
     default_request_version = "HTTP/1.0"  # so that the answer to a garbled request line has a status line too
 
-    def do_GET(self):
-        self.dispatch("GET")
-
-    def do_POST(self):
-        self.dispatch("POST")
-
-    def do_PUT(self):
-        self.dispatch("PUT")
-
-    def __getattr__(self, name):  # any other method (DELETE, HEAD, ...): 405 or 404 below, not http.server's 501
+    def __getattr__(self, name):  # do_GET, do_POST, any method: dispatch answers 405 or 404, not http.server's 501
         if name.startswith("do_"):
             return lambda: self.dispatch(name[3:])
         raise AttributeError(name)

@@ -20,8 +20,7 @@ CPU tensors, plain pickle, read by tensor_payload.py's allow-list unpickler, nev
 /update_weights_from_distributed: load_format null (one broadcast per tensor) or "flattened_bucket" (one broadcast of
 the bucket's bytes, laid out in the order of `names`, tensor_payload.layout).
 
-The request checks (BadRequest, check, fail, is_int) live here too, at the bottom of the imports: server.py uses
-them for every endpoint.
+The request checks (BadRequest, check, fail, is_int) live here too: server.py uses them for every endpoint.
 """
 import time
 
@@ -29,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import canonical_name, checkpoint_index, load_state_dict
-from quant import as_bytes, dequantize, e8m0_to_float, quant_format, quantized_meta, scale_name
 from parallel import init_weight_update_group
+from quant import as_bytes, dequantize, e8m0_to_float, quant_format, quantized_meta, scale_name
 from tensor_payload import layout, read as read_payload, unflatten
 
 
@@ -72,8 +71,8 @@ class Weights:
         self.quant, self.qstate, self.dirty = quant, {}, set()
         self.qformats = {n: (s, d) for k, v in model.state_dict().items() if quant_format(k, quant)
                          for n, s, d in quantized_meta(k, tuple(v.shape), v.dtype, quant)}
-        # what an update may name: (shape, dtype or None for any); state_dict() walks every module (33 ms for
-        # bench_2b on a 2-core CPU), too slow to redo for each bucket of a sync
+        # what an update may name: (shape, dtype or None for any), kept: state_dict() walks every module, too slow
+        # to redo for each bucket of a sync
         self.expected = {k: (tuple(v.shape), None) for k, v in model.state_dict().items() if k not in self.qformats}
         self.expected.update(self.qformats)  # quantized: the exact format (a full-precision tensor there is refused)
         self.session, self.groups = False, {}

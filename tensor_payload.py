@@ -77,8 +77,7 @@ def layout(metas):
 def flatten(named, buf=None):
     """{name: contiguous tensor} -> (one uint8 tensor of all their bytes, [BucketEntry]). Larger elements first
     (fp32, then bf16, then fp8 and e8m0): every start is then a multiple of its element size. buf: a uint8 tensor
-    to fill from its start, if big enough (a fresh one costs page faults on the CPU: 0.34 s against 0.06 s for
-    0.4 GB on the 2-core dev box)."""
+    to fill from its start, if big enough (a fresh one costs page faults: on the CPU several times the copy itself)."""
     order = sorted(named, key=lambda k: -named[k].element_size())  # stable: the caller's order within a size
     entries = layout([(k, named[k].shape, named[k].dtype) for k in order])
     if not entries:
@@ -179,8 +178,7 @@ class FlatPickler(BytesPickler):
     """A flattened bucket's pickle: BytesPickler (the C pickler) at protocol 3, whose GLOBAL opcodes are plain text;
     CUDA tensors as ForkingPickler reduces them. BucketEntry goes out under its own name, which dumps_flat swaps for
     SGLang's: the C pickler would import sglang to name SGLang's class, and sglang need not be installed here. (The
-    pure-Python pickler, which could name it, took 12 ms for a bucket of 345 entries on the 2-core dev CPU, this one
-    1 ms; in session 16's H200 profile it was most of the trainer's side of the tensor transport.)"""
+    pure-Python pickler, which could name it, is 12x slower: enough to dominate the trainer's side of the transport.)"""
 
     def __init__(self, file, cuda):
         super().__init__(file, protocol=3)

@@ -42,10 +42,9 @@ import torch
 import torch.distributed as dist
 
 import tensor_payload
-from parallel import named
+from parallel import barrier, init_weight_update_group, named
 from quant import as_bytes, e8m0_to_float, quantize_tensor, quantized_meta
-from parallel import init_weight_update_group
-from rollout import RETRYABLE, error_message
+from rollout import RETRYABLE
 
 GROUP = {}  # this rank's live weight-update groups: "urls", "names" (one per stage), "pg" (stage senders only)
 
@@ -86,9 +85,7 @@ def save_weights(model, grid, path, args, quant="none"):
             json.dump({"metadata": {"total_size": sum(n for *_, n in names)}, "weight_map": index}, f)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(args.to_json(), f, indent=1)
-    if grid.world_size > 1:
-        with named("barrier(shards written)", dist.group.WORLD):
-            dist.barrier()
+    barrier(dist.group.WORLD, "shards written")
     return {k: v[:2].clone() for k, v in mine.items()}, nbytes
 
 
@@ -110,12 +107,8 @@ def background(fn, *args):
 def post(client, urls, path, body, timeout):
     """POST on every url at once (body: one dict, or {url: dict}) -> {url: Future of its error, None if fine}."""
     def one(url):
-        try:
-            status, out = client._http(url, "POST", path, body.get(url, body), timeout=timeout)
-        except RETRYABLE as e:
-            return f"{path}: {type(e).__name__}: {e}"
-        if status != 200 or (isinstance(out, dict) and out.get("success") is False):
-            return f"{path}: HTTP {status}: {error_message(out)}"
+        err = client._call(url, "POST", path, body.get(url, body), timeout)[1]
+        return err and f"{path}: {err}"
     return {u: background(one, u) for u in urls}
 
 
@@ -150,11 +143,8 @@ def tp_sizes(grid, client, urls):
     """Ranks per server, SGLang's tp_size (the embedded server has no /server_info: 1), as rank 0 asked them."""
     tps = [1] * len(urls)
     for i, url in enumerate(urls if grid.rank == 0 else []):
-        try:
-            status, out = client._http(url, "GET", "/server_info", timeout=30)
-            tps[i] = out.get("tp_size", 1) if status == 200 and isinstance(out, dict) else 1
-        except RETRYABLE:
-            pass
+        out, err = client._call(url, "GET", "/server_info", timeout=30)
+        tps[i] = out.get("tp_size", 1) if err is None and isinstance(out, dict) else 1
     return agree(grid, tps, src=0)
 
 

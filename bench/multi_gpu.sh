@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Issue 10's runs (and issue 8's sync peer), for a machine with 2, 4 or 8 GPUs. NOT RUN YET: no multi-GPU machine
-# has been lent so far.
-# Every parallel code path picks NCCL (RCCL on ROCm) and cuda:LOCAL_RANK by itself when CUDA is available, so the
-# CPU tests and commands below are the GPU runs as they are. Output: $OUT/multi_gpu.txt
+# The multi-GPU runs (layouts, GRPO with PP x EP, scaling, the weight sync's NCCL peer), for a machine with 2, 4 or
+# 8 GPUs. Every parallel code path picks NCCL (RCCL on ROCm) and cuda:LOCAL_RANK by itself when CUDA is available,
+# so the CPU tests and commands below are the GPU runs as they are. Output: $OUT/multi_gpu.txt
 export PYTHONUNBUFFERED=1
 N=${N:-$(nvidia-smi -L | wc -l)}
 run() { echo "### $*"; timeout "$@" 2>&1 | grep -v "Loading weights"; }
@@ -20,8 +19,8 @@ for pp in 1 2 4; do
   run 900 torchrun --standalone --nproc_per_node=$N train_grpo.py config/h200.py --data=toy --eval_data=toy \
       --pp_size=$pp --ep_size=$((N / pp)) --max_steps=5 --out_dir=out/scale_pp$pp
 done
-# 4. issue 8's weight sync against a plain NCCL broadcast of the same bytes: the distributed rows put the embedded
+# 4. the weight sync against a plain NCCL broadcast of the same bytes: the distributed rows put the embedded
 #    server on the last GPU (one GPU skips them: NCCL refuses two ranks on one GPU)
-run 1200 python bench.py --what=sync --model=config/models/bench_2b.json --dtype=bfloat16
+run 1200 python bench/bench.py --what=sync --model=config/models/bench_2b.json --dtype=bfloat16
 } > "${OUT:-/tmp}/multi_gpu.txt" 2>&1
 tail -c 11000 "${OUT:-/tmp}/multi_gpu.txt"

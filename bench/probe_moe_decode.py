@@ -2,7 +2,7 @@
 configs), against dsv4_kernels.fast.grouped_experts' math (aten's grouped GEMM), for the decode step's shapes: bench_2b's 64
 experts (D 1536, I 512, top-6) and 64 or 256 tokens, rows sorted by expert, routed uniformly at random and skewed
 (a few experts take many rows). A decode step's experts are bound by reading their weights (301 MB a layer, every
-expert hit at batch 64), which aten's grouped GEMM did at 2.2-2.7 TB/s in session 23's decode trace.
+expert hit at batch 64).
 
   up:   a program per (expert, block of BLOCK_N of the I columns): its rows (BLOCK_M at a time) times the gate and
         up rows of w13, rounded to bf16 as the grouped GEMM's output is, then the clamped SwiGLU and the routing
@@ -10,7 +10,7 @@ expert hit at batch 64), which aten's grouped GEMM did at 2.2-2.7 TB/s in sessio
   down: a program per (expert, block of BLOCK_N of the D columns): h times w2, bf16.
 An expert without rows reads no weights; one with many runs its row blocks one after another. Each config is timed
 as CUDA-graph replays (the device's time, not the launches'), its outputs checked against the reference, its rate
-the bytes of the experts it reads over the time. Session 24's run (uniform only) chose the model's configs.
+the bytes of the experts it reads over the time; the uniform rows are how the model's configs are chosen.
 python bench/probe_moe_decode.py [--tokens 64 256]   (on a CPU: Triton's interpreter, a small fp32 check only)"""
 import argparse
 import os
@@ -86,7 +86,7 @@ if not torch.cuda.is_available():  # the kernels' logic in Triton's interpreter 
 E, D, I, K = 64, 1536, 512, 6
 CONFIGS = [(16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 32, 256, 4, 4), (16, 128, 128, 4, 3),
            (16, 64, 128, 4, 6), (16, 32, 128, 2, 5), (32, 64, 128, 4, 4), (32, 32, 256, 4, 3),
-           # session 29: two programs an SM (fewer stages), more warps, narrower and wider blocks
+           # two programs an SM (fewer stages), more warps, narrower and wider blocks
            (16, 64, 128, 4, 3), (16, 64, 128, 4, 2), (16, 64, 128, 8, 4), (16, 32, 128, 4, 4), (16, 32, 128, 4, 3),
            (16, 64, 64, 4, 6), (16, 128, 128, 8, 4), (16, 128, 64, 4, 4)]
 print(f"decode experts, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "

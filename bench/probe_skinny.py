@@ -1,8 +1,8 @@
 """A decode step's dense GEMMs (64 tokens: the projections of bench_2b's layers and its head) through cuBLAS (as
 torch.mm / torch.bmm run them) against a plain Triton kernel that reads the weight once, a block of output columns a
 program (and, split over K, a block of K too, the partials then added in order by a second kernel), over a sweep of
-its tile sizes, each as CUDA-graph replays. Session 34's trace had cuBLAS's 63 GEMMs at 0.46 ms of bench_2b's 2.55 ms
-step, most of them 4-6 us for 0.2-11 MB of weights (0.05-1.8 TB/s). Not used by the model.
+its tile sizes, each as CUDA-graph replays. At 0.2-11 MB of weights each, these GEMMs take a few microseconds, far
+from the copy bandwidth: the probe asks whether a kernel of our own gets closer. Not used by the model.
 python bench/probe_skinny.py   (a GPU)"""
 import itertools
 import os

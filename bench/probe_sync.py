@@ -1,9 +1,9 @@
-"""Where the tensor transport's time goes (bench.py --what=sync: 0.46 s for bench_2b's 5.2 GB on an H200, 11 GB/s,
-against a 2.6 ms device copy of the same bytes). Starts an embedded server for the model as bench.py does, syncs
-through the tensor transport (flattened buckets) a few times, and prints each sync's seconds and each call's: the
-client's round trip per endpoint, and for every bucket the server's own time (the time it took to open the
-payload's CUDA IPC handle and to load, from its answer's message); then a cProfile of the trainer's side of one
-more sync. python bench/probe_sync.py [--model config/models/bench_2b.json] [--bucket_mb 512] [--syncs 3]"""
+"""Where the tensor transport's time goes (bench.py --what=sync: a sync takes far longer than a device copy of the
+same bytes). Starts an embedded server for the model as bench.py does, syncs through the tensor transport (flattened
+buckets) a few times, and prints each sync's seconds and each call's: the client's round trip per endpoint, and for
+every bucket the server's own time (the time it took to open the payload's CUDA IPC handle and to load, from its
+answer's message); then a cProfile of the trainer's side of one more sync.
+python bench/probe_sync.py [--model config/models/bench_2b.json] [--bucket_mb 512] [--syncs 3]"""
 import argparse
 import cProfile
 import collections

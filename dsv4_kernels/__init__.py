@@ -1,7 +1,7 @@
 """
-The fast paths, each beside the plain reference it replaces in the model (model_dsv4.py, mhc.py, kv_cache.py,
-engine.py). This package imports torch and Triton and nothing of the project: the model reaches it through its one
-switch, `Transformer.set_kernels`, and keeps its plain path next to every call.
+The fast paths, each beside the plain reference it replaces in the model (model_dsv4.py, moe.py, mhc.py,
+kv_cache.py, engine.py). This package imports torch and Triton and nothing of the project: the model reaches it
+through its one switch, `Transformer.set_kernels`, and keeps its plain path next to every call.
 
   fast.py              torch fast paths: fp32-result GEMMs, mHC mixes on bf16 tensor cores, grouped-GEMM experts,
                        block window attention, decode's fused projections
@@ -32,7 +32,7 @@ except ImportError:  # torch's CPU build comes without Triton: the references ru
 if _SET_HERE and triton is not None and hasattr(triton, "knobs"):
     # From here Triton's own setting holds the switch, and the variable is dropped: child processes (the embedded
     # server, torchrun's ranks, the tests' subprocesses) then start as a user starts them. Inherited from the start,
-    # it crashed torch's custom-op calls ("vector::reserve").
+    # it crashes torch's custom-op calls ("vector::reserve").
     triton.knobs.runtime.interpret = True
     os.environ.pop("TRITON_INTERPRET", None)
 

@@ -13,9 +13,8 @@ the two agree, alone and in the engine; tests/test_kernel_builds.py compiles the
 
 The decode attention's kernels are in dsv4_kernels/decode_attention.py, the router's in dsv4_kernels/route.py.
 
-All but the sampler are torch.library custom ops, as dsv4_kernels/mhc_triton.py's are (compiled layers call them); the sampler
-runs outside compiled code. kernels_triton is imported first (it turns on Triton's interpreter without a GPU, before
-triton is imported).
+All but the sampler are torch.library custom ops, as mhc_triton.py's are (compiled layers call them); the sampler runs
+outside compiled code. Without a GPU the package's __init__ turns on Triton's interpreter before triton is imported.
 """
 from typing import Optional
 
@@ -26,16 +25,14 @@ from . import INTERPRETED, _dot, _jit, tl, triton
 
 # ----------------------------------------------------------------------------- a decode step's routed experts
 # A decode step's experts are bound by reading their weights: 64 tokens x top-6 of bench_2b's 64 experts hit every
-# expert with 1-10 rows, 302 MB a layer, which aten's grouped GEMM (dsv4_kernels.fast.grouped_experts) read at 2.2 TB/s in
-# 139 us. Here a program takes one expert and a block of BLOCK_N output columns, and runs the expert's rows past them
-# BLOCK_M at a time: the up kernel the gate and up rows of w13 with the clamped SwiGLU and the routing weight (h, in the
-# rows' dtype), the down kernel h times w2. 80-99 us at 64 and 256 tokens against aten's 139 and 146
-# (bench/probe_moe_decode.py, RESULTS.md session 24). An expert with no rows reads nothing. For many rows an expert
-# (prefill, training) aten's tiles are the better choice: grouped_experts takes these for decode steps only, up to
-# EXPERT_ROWS rows an expert. The shared expert rides along as one more expert (program E), its rows the tokens
-# themselves: in a bench_2b decode step it was a GEMM of its own for w2, the SwiGLU and the sum with the routed experts'
-# (w1 and w3 fused into the router's GEMM), 3-4 kernels a layer at 1.6-3.6 us each, where here it adds 3 MB to the 302
-# MB the kernels read.
+# expert with 1-10 rows, 302 MB a layer, which aten's grouped GEMM (fast.grouped_experts) reads at 2.2 TB/s in 139 us.
+# Here a program takes one expert and a block of BLOCK_N output columns, and runs the expert's rows past them BLOCK_M
+# at a time: the up kernel the gate and up rows of w13 with the clamped SwiGLU and the routing weight (h, in the rows'
+# dtype), the down kernel h times w2. 80-99 us at 64 and 256 tokens against aten's 139 and 146 on an H200
+# (bench/probe_moe_decode.py). An expert with no rows reads nothing. For many rows an expert (prefill, training)
+# aten's tiles are the better choice: grouped_experts takes these for decode steps only, up to EXPERT_ROWS rows an
+# expert. The shared expert rides along as one more expert, its rows the tokens themselves: that adds 3 MB to the
+# 302 MB the kernels read, where on its own it is 3-4 kernels a layer of 1.6-3.6 us each.
 
 @_jit
 def _expert_rows(offs_ptr, e, R, NT, SB, SHARED: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -124,7 +121,7 @@ EXPERTS_BLOCK_N, EXPERTS_BLOCK_K = 64, 128
 def experts_triton(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    limit: float, x: Optional[torch.Tensor] = None, s1: Optional[torch.Tensor] = None,
                    s3: Optional[torch.Tensor] = None, s2: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """dsv4_kernels.fast.grouped_experts' math: xs [R, D] rows sorted by expert (bf16, or fp32 for the tests), ws [R] fp32
+    """fast.grouped_experts' math: xs [R, D] rows sorted by expert (bf16, or fp32 for the tests), ws [R] fp32
     routing weights, offs [e] int32 each expert's end row, w13 [e, 2I, D], w2 [e, D, I] (contiguous, xs' dtype),
     limit the SwiGLU clamp (0: none) -> [R, D]. With x [N, D] and the shared expert's w1, w3 [I, D] and w2 [D, I]
     (s1, s3, s2): that expert too, as one more expert whose rows are x's (Expert.forward without a routing weight)
@@ -141,8 +138,8 @@ def experts_triton(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, w13: 
     f32 = INTERPRETED or xs.dtype == torch.float32
     bn, bk = EXPERTS_BLOCK_N, EXPERTS_BLOCK_K
     tok, s1, s3, s2 = (x, s1, s3, s2) if shared else (xs, xs, xs, xs)  # not read without the shared expert
-    # the shared expert's rows in blocks of bm, a program each, launched first: as one program it ran its 64 rows'
-    # blocks one after another and finished last (bench_2b, batch 64: 104 us a layer against 80 without it)
+    # the shared expert's rows in blocks of bm, a program each, launched first: as one program it would run its
+    # rows' blocks one after another and finish last (bench_2b, batch 64: 104 us a layer against 80)
     SB = triton.cdiv(NT, bm)
     _experts_up[(SB + E, triton.cdiv(I, bn))](xs, w13, ws.float().contiguous(), offs.contiguous(), h, tok, s1, s3,
                                               D, I, R, NT, SB, float(limit), CLAMP=bool(limit), F32=f32,
@@ -163,8 +160,8 @@ experts_triton.register_fake(lambda xs, ws, offs, w13, w2, limit, x=None, *rest:
 # all 129280 tokens of V4's vocabulary: 174 us (greedy) and 175 us (temperature 1) of a bench_2b step at batch 64 on
 # an H200. Here a program takes a (row, chunk of 8192 tokens): its max and sum of exponentials, then, with the row's
 # log-sum-exp from every chunk, the chunk's first best token by logprob (+ the same Gumbel noise for sampled rows);
-# the chunks' best are compared in torch. 42 and 107 us there (bench/probe_sampler.py, RESULTS.md session 25); the
-# engine takes it on a GPU when no request filters by top-p or top-k.
+# the chunks' best are compared in torch: 42 and 107 us. The engine takes it on a GPU when no request filters by
+# top-p or top-k.
 
 @_jit
 def _srl(x, k: tl.constexpr):
@@ -249,10 +246,10 @@ def sample_triton(logits, temp, greedy, draws, chunk=SAMPLE_CHUNK):
 
 # ----------------------------------------------------------------------------- a decode step's query norm and RoPE
 # Attention.query ends with a per-head RMSNorm of q (no weight; the factor rounded to q's dtype, as the reference
-# multiplies in it) and RoPE on each head's last rd dims. Inductor wrote that as a reduction and a pointwise kernel
-# that took 4.8 us an HCA layer in session 26's calls 1-2 and 17.7 us in call 3 (its pointwise configs are picked by
-# timing at the first call). Here a program takes one token's block of heads: the rows for the norm, then the rope
-# dims again as even and odd halves, rotated pairwise by the token's cos and sin.
+# multiplies in it) and RoPE on each head's last rd dims. Inductor writes that as a reduction and a pointwise kernel,
+# 4.8 us an HCA layer, or 17.7 us where the config its first call times comes out badly. Here a program takes one
+# token's block of heads: the rows for the norm, then the rope dims again as even and odd halves, rotated pairwise by
+# the token's cos and sin.
 
 @_jit
 def _q_norm_rope(q_ptr, cos_ptr, sin_ptr, out_ptr, H, d, eps, RH: tl.constexpr, DP: tl.constexpr,
@@ -295,9 +292,9 @@ q_norm_rope_triton.register_fake(lambda q, *rest: torch.empty_like(q))
 
 # ----------------------------------------------------------------------------- a decode step's window key
 # The step's new key (= value) of every sequence: kv_norm, RoPE at its position, and the write into the window's ring
-# buffer with its position were five small inductor kernels a layer (~10 us, session 26's trace). Here one program
-# takes a sequence and does all of it: the norm in fp32 with its weight, rounded once, as RMSNorm; RoPE on the last
-# 2 * RH dims in fp32, rounded, as apply_rope.
+# buffer with its position are five small inductor kernels a layer (~10 us). Here one program takes a sequence and
+# does all of it: the norm in fp32 with its weight, rounded once, as RMSNorm; RoPE on the last 2 * RH dims in fp32,
+# rounded, as apply_rope.
 
 @_jit
 def _window_kv(kv_ptr, w_ptr, cos_ptr, sin_ptr, win_ptr, wpos_ptr, slot_ptr, pos_ptr, row, W, d, eps,
@@ -345,7 +342,7 @@ window_kv_triton.register_fake(lambda *args: None)
 # cache; with ratio 4's overlap the window's first-half rows (ape added) become the next window's. As tensor ops
 # (kv_cache.KVCache._compressor_step) that is the row writes, a pooling of every sequence's window kept only where
 # complete (static shapes), the norm, the RoPE and the writes: ~10 kernels and ~10 us a compressor, 17 compressors a
-# bench_2b step (session 26's trace). Here one program takes a sequence: it writes its row and returns unless its
+# bench_2b step. Here one program takes a sequence: it writes its row and returns unless its
 # window is complete, else it pools the window (two passes over its rows: their max, then the weighted sum, as the
 # reference's softmax), norms, rotates and writes the entry, and rolls the overlap.
 

@@ -4,8 +4,8 @@ the reference it replaces: model_dsv4.sink_attention over each sequence's cached
 gathered, then Attention.output's RoPE undone. tests/test_decode_attention.py checks that the two agree, alone and in
 the engine; tests/test_kernel_builds.py compiles the kernels for sm_90 and gfx950.
 
-A torch.library custom op, as dsv4_kernels/mhc_triton.py's are (compiled layers call it). kernels_triton is imported first (it
-turns on Triton's interpreter without a GPU, before triton is imported).
+A torch.library custom op, as mhc_triton.py's are (compiled layers call it). Without a GPU the package's __init__
+turns on Triton's interpreter before triton is imported.
 """
 from typing import Optional
 
@@ -16,21 +16,20 @@ from . import INTERPRETED, _dot, _jit, tl, triton
 
 # ----------------------------------------------------------------------------- decode attention
 # A decode step attends one query token per sequence (H heads, one shared K = V head of dim d) to the sequence's cached
-# window keys and compressed entries. As tensor ops that was a gather of each sequence's keys from its cache slot and
-# a concatenation (written out, fp32: 25 us a CSA layer of bench_2b at batch 64 on an H200), an fp32 GEMM on it (43
-# us), the masked softmax and a bf16 GEMM (25 us): ~100 us of a CSA layer, ~40 us of a window or HCA layer, ~0.8 ms
-# of the 5.4 ms step. Here a program takes a sequence and 16 heads and reads its keys where they are, a block at a
-# time, skipping blocks with no key to attend (compressed entries not yet written, or not picked by the indexer):
-# 8-17 us a layer, the step 4.4 ms (bench/RESULTS.md, session 23). Two passes over the keys, so that the
-# probabilities are the reference's, rounded to the keys' dtype after the division: the row max and denominator
-# (online), then the probabilities times the keys. At batch 64 that is 64 programs, a sequence each, on an H200's 132
-# SMs, each looping over its keys' blocks one after another (13-17 us a CSA layer, session 26). Where a sequence has
-# more blocks of keys than DECODE_SPLIT_BLOCKS, several programs share them (blocks split, split + splits, ...):
-# each finds its blocks' max and denominator, then, in a second kernel, takes every split's to the row's and writes
-# its blocks' share of the output, in fp32; a third adds the shares in split order. The output is rounded, and RoPE
-# undone on its last dims, as Attention.output does it (so the engine rounds where the trainer does). Which keys a
-# sequence attends the kernel works out from the window's positions and the sequence's own (session 29): as a [B, W +
-# S] mask it was an inductor kernel a layer, 1.6 us in a CSA layer and 7 us in an HCA one (bench_2b, batch 64).
+# window keys and compressed entries. As tensor ops that is a gather of each sequence's keys from its cache slot and a
+# concatenation (written out, fp32), an fp32 GEMM on it, the masked softmax and a bf16 GEMM: ~100 us of a CSA layer
+# of bench_2b at batch 64 on an H200, ~40 us of a window or HCA layer. Here a program takes a sequence and 16 heads
+# and reads its keys where they are, a block at a time, skipping blocks with no key to attend (compressed entries not
+# yet written, or not picked by the indexer): 8-17 us a layer. Two passes over the keys, so that the probabilities
+# are the reference's, rounded to the keys' dtype after the division: the row max and denominator (online), then the
+# probabilities times the keys.
+# At batch 64 that is only 64 programs on an H200's 132 SMs, each looping over its keys' blocks one after another.
+# So where a sequence has more blocks of keys than DECODE_SPLIT_BLOCKS, several programs share them (blocks split,
+# split + splits, ...): each finds its blocks' max and denominator, then, in a second kernel, takes every split's to
+# the row's and writes its blocks' share of the output, in fp32; a third adds the shares in split order.
+# The output is rounded, and RoPE undone on its last dims, as Attention.output does it (so the engine rounds where
+# the trainer does). Which keys a sequence attends the kernel works out from the window's positions and the
+# sequence's own, rather than read a [B, W + S] mask that would take an inductor kernel a layer to build.
 
 HEADS = 16  # heads a program: tl.dot's smallest M
 
@@ -244,8 +243,8 @@ def decode_attention_triton(q: torch.Tensor, win: torch.Tensor, win_pos: torch.T
 def decode_splits(L, programs):
     """Programs a sequence's L keys are split over, where the step has `programs` programs of one: up to
     DECODE_PROGRAMS in all (an H200 has 132 SMs), one for every DECODE_SPLIT_BLOCKS blocks of keys, at most
-    DECODE_MAX_SPLITS. bench/probe_decode_attn.py, session 27: a CSA layer mid-generation (264 keys) at batch 64
-    took 46 us in one program a sequence, 38 in 2, 34 in 3; at batch 256 splitting was slower (77 us, 97 in 2)."""
+    DECODE_MAX_SPLITS. On an H200, a CSA layer mid-generation (264 keys) at batch 64 takes 46 us in one program a
+    sequence, 38 in 2, 34 in 3; at batch 256 splitting is slower (77 us, 97 in 2)."""
     return max(1, min(DECODE_MAX_SPLITS, triton.cdiv(L, DECODE_BLOCK_N) // DECODE_SPLIT_BLOCKS,
                       DECODE_PROGRAMS // programs))
 

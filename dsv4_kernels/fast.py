@@ -1,32 +1,19 @@
 """
-Fast paths for the model's expensive pieces, each beside the plain reference it replaces in model_dsv4.py
-(tests/test_kernels.py checks that the two agree, forward and backward):
+The torch fast paths, each beside the plain reference it replaces (tests/test_kernels.py checks that the two agree,
+forward and backward):
 
-  - matmul_f32: x @ w.T with an fp32 result from bf16 operands (tensor cores, fp32 accumulation, no rounding of
-    the result); the reference writes F.linear(x.float(), w.float()), which is the same product but runs as an
-    fp32 GEMM. Used by the router, the compressors, the indexer and the output head. Always on: on the CPU or in
-    fp32 it *is* the reference.
-  - hc_mixes_bf16: mHC's mixes from bf16 streams by GEMMs on bf16 tensor cores, fn split into three bf16 parts,
-    as accurate as the reference's fp32 GEMM (mhc.hc_mixes). Used by Block.hc_pre when the kernels are on.
-  - grouped_experts: every local expert in two grouped GEMMs (torch._grouped_mm) instead of a Python loop; for
-    the few rows an expert of a decode step, dsv4_kernels.decode.experts_triton, with the shared expert as one more.
-    Reference: MoE.run_experts.
-  - fused_projections: in the engine's decode, a layer's attention projections of one input as one GEMM on their
-    weights fused into one tensor (Transformer.fuse_projections). Reference: each projection on its own, as
-    training and prefill run them.
-  - window_attention: sink attention over [window keys | compressed keys] computed per block of `window` queries,
-    so the [T, T] score matrix of the reference (sink_attention with a band mask) is never formed.
-  - sinkhorn_triton (dsv4_kernels/mhc_triton.py, the project's Triton kernels): mHC's Sinkhorn loop as one Triton kernel
-    forward and one backward, each token's n x n matrix held in registers for all its steps. Reference:
-    mhc.sinkhorn. Used by Block.hc_pre for GPU tensors when the kernels are on.
-  - hc_post_triton (dsv4_kernels/mhc_triton.py): mHC's write-back of a sublayer into the streams, forward in one kernel and
-    the backward's sums over D in one pass. Reference: model_dsv4.Block.hc_post. Used by it for GPU tensors that
-    train (grad enabled) when the kernels are on.
-
-`Transformer.set_kernels(True)` switches hc_mixes_bf16, the Triton kernels, grouped_experts and window_attention on
-(train_grpo.py: `kernels='auto'` = on for CUDA).
-compile_hot_paths / compile_layers (train_grpo.py `compile`, bench.py --compile) add torch.compile.
-PathInvariant goes the other way, exact and slow: every sum in fp64 (Transformer.set_invariant).
+  - matmul_f32 / linear_f32: a GEMM with an fp32 result from bf16 operands (tensor cores, fp32 accumulation, no
+    rounding of the result); the reference writes F.linear(x.float(), w.float()), the same product as an fp32 GEMM.
+    Used by the router, the compressors, the indexer and the output head. Always on: on the CPU or in fp32 it *is*
+    the reference.
+  - hc_mixes_bf16: mHC's mixes from bf16 streams on bf16 tensor cores, fn split into three exact bf16 parts, as
+    accurate as the reference's fp32 GEMM (mhc.hc_mixes).
+  - grouped_experts: every local expert in two grouped GEMMs (torch._grouped_mm) instead of a Python loop
+    (MoE.loop_experts); for the few rows an expert of a decode step, decode.experts_triton. stack_experts keeps the
+    experts' weights stacked so that the GEMMs read them in place.
+  - fused_projections: in the engine's decode, a layer's attention projections of one input as one GEMM.
+  - window_attention: sink attention over [window keys | compressed keys] by blocks of `window` queries, so the
+    [T, T] score matrix of the reference (model_dsv4.sink_attention with a band mask) is never formed.
 """
 import functools
 
@@ -51,7 +38,7 @@ class _MatmulF32(torch.autograd.Function):
     """y = a @ b (a [..., M, K], b [..., K, N], both bf16) as fp32. Backward: the fp32 gradient is rounded to bf16
     once, then two more GEMMs with fp32 results, rounded to the operands' dtype (what a bf16 trainer stores).
     b's gradient comes in b's memory layout: for linear_f32's b = w.t() that is a transposed [N, K] result, so the
-    weight's gradient reaches it contiguous (a [K, N] one was copied into the weight's layout: 1.3 ms for
+    weight's gradient reaches it contiguous (a [K, N] one would be copied into the weight's layout: 1.3 ms for
     bench_2b's output head on an H200)."""
     @staticmethod
     def forward(ctx, a, b):
@@ -81,8 +68,8 @@ def linear_f32(x, w):
 
 def stack(experts):
     """(w13 [e, 2I, D], w2 [e, D, I]) of the experts' weights. w1 and w3 of each expert in turn, stacked [2e, I, D],
-    is [e, 2I, D] with each expert's cat([w1, w3]): one copy of each weight (a cat per expert and then a stack moved
-    them twice, in ~60 kernels per layer)."""
+    is [e, 2I, D] with each expert's cat([w1, w3]): one copy of each weight (a cat per expert and then a stack move
+    them twice, in ~60 kernels a layer)."""
     w13 = torch.stack([w for e in experts for w in (e.w1.weight, e.w3.weight)])
     return w13.view(len(experts), -1, w13.shape[-1]), torch.stack([e.w2.weight for e in experts])
 
@@ -112,7 +99,7 @@ class _HcMixes(torch.autograd.Function):
     def forward(ctx, x, fn, eps):
         R, Rp = fn.shape[0], fn.shape[0] + -fn.shape[0] % 8
         # r before the GEMM: compile's partitioner then recomputes x.float() in the backward from the saved bf16 x;
-        # used after the GEMM it saved the fp32 copy (twice x's bytes, written and read back once per sublayer)
+        # used after the GEMM it would save the fp32 copy (twice x's bytes, written and read back once per sublayer)
         r = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
         f = torch.cat(split_bf16(F.pad(fn, (0, 0, 0, Rp - R))))  # [3 Rp, K]
         z = mm_f32(x, f.t())  # [M, 3 Rp]
@@ -145,12 +132,11 @@ def hc_mixes_bf16(x, fn, eps):
 
 def stack_experts_(experts):
     """Move the local experts' weights into two stacked tensors and make each expert's parameters views of them,
-    so grouped_experts reads them in place instead of stacking them on every forward (Transformer.stack_experts).
-    Weight loads and optimizer steps write through the views. Returns (w13 [e, 2I, D], w2 [e, D, I]).
+    so grouped_experts reads them in place instead of stacking them on every forward. Weight loads and optimizer
+    steps write through the views. Returns (w13 [e, 2I, D], w2 [e, D, I]).
     When the parameters train, the stacks are the autograd leaves: a backward accumulates one gradient per stack,
     and each parameter's .grad is its view of it (_hand_out_grads). Two leaves where the per-expert parameters made
-    3 x e of them: bench_2b's 192 per layer, each a view the compiled backward returned and an AccumulateGrad the
-    autograd engine ran on the host (the H200 host issued bench_2b's step in 71 ms, now 49: RESULTS.md session 15)."""
+    3 x e of them, each an AccumulateGrad the autograd engine runs on the host."""
     I = experts[0].w1.weight.shape[0]
     with torch.no_grad():
         w13, w2 = stack(experts)
@@ -195,8 +181,7 @@ def is_stacked(experts, stacked):
     """Whether the experts' parameters are (still) the views stack_experts_ made of `stacked`, with the stacks
     training as they do. The first expert's w1 and the last one's w2 stand for all: what breaks the views (a
     deepcopy, a dtype or device cast, a load that assigns new parameters) replaces every parameter. The engine checks
-    every layer before each decode step, so this stays cheap: two pointers, read off the stacks by arithmetic
-    (indexing the stacks for six views, as it did, cost ~0.3 ms of host time a bench_2b decode step on the dev CPU)."""
+    every layer before each decode step, so this stays cheap: two pointers, read off the stacks by arithmetic."""
     if stacked is None or stacked[0].requires_grad != experts[0].w1.weight.requires_grad:
         return False
     w13, w2 = stacked
@@ -205,8 +190,39 @@ def is_stacked(experts, stacked):
             == w2.data_ptr() + last * w2.stride(0) * w2.element_size())
 
 
+def stack_experts(moes):
+    """Keep each MoE module's local experts stacked (stack_experts_) where its kernels are on, stacking again where
+    something replaced the parameters (a cast, a load with assign=True). Returns whether it stacked anything: then
+    compiled code and CUDA graphs that read the old stacks must be dropped."""
+    changed = False
+    for m in moes:
+        experts = list(m.experts.values())
+        if m.fast and not is_stacked(experts, m.stacked):
+            m.stacked, changed = stack_experts_(experts), True
+            for t in m.stacked:  # to compile's CUDA graphs a fixed address, as a parameter's (not copied in)
+                torch._dynamo.mark_static_address(t, guard=False)
+    return changed
+
+
+def fuse_projections(attns):
+    """For the engine's decode: each Attention's projections of its input (module.fused_linears: wq_a, wkv, the
+    compressors' and the indexer's) in one tensor (fuse_rows_), where its kernels are on, with no FP8 emulation and
+    one dtype (no silent upcast); fused_projections then runs them as one GEMM, where the separate ones are small and
+    launch-bound. Fuses again what something replaced; returns whether it fused anything."""
+    changed = False
+    for m in attns:
+        linears = m.fused_linears
+        if not m.fast or any(getattr(w, "fp8_emu", False) or w.weight.dtype != linears[0].weight.dtype
+                             for w in linears):
+            m.fused = None
+        elif not is_fused([w.weight for w in linears], m.fused):
+            m.fused, changed = fuse_rows_([w.weight for w in linears]), True
+            torch._dynamo.mark_static_address(m.fused, guard=False)
+    return changed
+
+
 def fuse_rows_(weights):
-    """Decode's fused projections (Transformer.fuse_projections): move weights [N_i, K] that read the same input into
+    """Decode's fused projections: move weights [N_i, K] that read the same input into
     one [sum N_i, K] tensor, each weight's .data a view of its rows, so one GEMM computes them all. Weight loads and
     optimizer steps write through the views; a cast or a load that assigns new tensors breaks them (is_fused)."""
     with torch.no_grad():
@@ -243,7 +259,7 @@ def grouped_experts(experts, xs, ws, counts, limit, stacked=None, shared=None, d
     no host sync) -> [R, D]. Same math as Expert.forward: clamped SwiGLU, routing weight before w2.
     decode: the rows are a decode step's (one token a sequence), which the Triton kernels take when they are few an
     expert. Never a prefill's: a branch on its row count would make the compiled prefill compile again for the
-    other side of it (two more graphs at a small first request after Engine.warm_up, on the H200 in session 31).
+    other side of it.
     The weights: `stacked` (stack_experts_) while the parameters are still its views (a deepcopy or a dtype cast
     breaks that), read in place; else stacked here (the checkpoint keeps a tensor per expert).
     shared: (x [N, D], the shared Expert) -> (the routed rows' [R, D], the shared expert's output [N, D] where the
@@ -293,8 +309,8 @@ def window_attention(q, kv, ckv, cmask, sink, scale, window):
         parts.append(clog.masked_fill(~cm, float("-inf")).view(B * nb, w, H, S))
     # one softmax over the parts and the sink without concatenating them: a shared row max (the sink's logit
     # included, so a row never is all -inf) and denominator, each part's probabilities from its own logits. On an
-    # H200, a CSA layer's attention forward+backward: 1.97 ms against 2.83 for the softmax of the concatenated row
-    # (bench/probe_layer.py), which inductor compiled into a 0.79 ms forward kernel.
+    # H200, a CSA layer's attention forward+backward: 1.97 ms against 2.83 for the softmax of the concatenated row,
+    # which inductor compiles into a 0.79 ms forward kernel.
     sink = sink.float().view(1, 1, H)
     mx = functools.reduce(torch.maximum, [p.amax(-1) for p in parts], sink).detach()  # [B*nb, w, H]
     exps = [(p - mx[..., None]).exp() for p in parts]

@@ -8,7 +8,7 @@ class PathInvariant(torch.utils._python_dispatch.TorchDispatchMode):
     """Every sum the model takes (GEMMs, reductions, softmax, index_add) and every transcendental function computed
     in fp64 and rounded to the dtype it would have had. A kernel's summation order depends on the shape it is given
     (cuBLAS picks tiles and split-K by the row count; CPU BLAS has other kernels under 12 rows; a reduction over few
-    rows is split across blocks), so a token's logprob depended on whether it came from one full forward or a
+    rows is split across blocks), so a token's logprob depends on whether it came from one full forward or a
     KV-cache decode in a batch. In fp64 every order gives the same sum to well below fp32's rounding, so both paths
     round to the same value: the bit-equal alignment of compare_logprobs --invariant, on any device. Inputs and
     outputs keep their dtypes (bf16 stays bf16): only the accumulation is wider. Slow: a Python hop per op and
@@ -22,8 +22,8 @@ class PathInvariant(torch.utils._python_dispatch.TorchDispatchMode):
 
     # the project's own ops whose insides hold such functions, each run as its Python code under the mode (a custom op
     # is one call to the mode, and inside it the mode is off): model_dsv4's rope_angles, whose cos and sin the
-    # decode's inline angles have in fp64 (sessions 23-28 had the two part by an fp32 rounding: |Δ logprob| 0.079 on
-    # an H200 with --invariant, where session 5 had 0)
+    # decode's inline angles have in fp64 (in fp32 the two paths part by a rounding: |Δ logprob| 0.079 on an H200
+    # with --invariant)
     DECOMPOSE = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

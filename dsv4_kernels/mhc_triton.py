@@ -19,8 +19,8 @@ from . import _jit, tl, triton
 # ----------------------------------------------------------------------------- mHC's Sinkhorn
 # Each token's n x n matrix is 16 numbers (n = 4) put through 39 steps of "divide each column (row) by its sum". As
 # tensor ops every step is a reduction over the [T, n, n] tensor, written out and read back: 158 kernels and 170 us
-# forward+backward for 4096 tokens on an H200 even compiled. Here a program takes BLOCK tokens, loads their matrices
-# once and runs all the steps in registers: 2 kernels, 20 us with the backward's (bench/RESULTS.md, session 14).
+# forward+backward for 4096 tokens on an H200, even compiled. Here a program takes BLOCK tokens, loads their matrices
+# once and runs all the steps in registers: one kernel forward and one backward, 20 us together.
 
 BLOCK = 16  # tokens a program: 256 programs for 4096 tokens, enough to fill an H200's 132 SMs
 
@@ -124,11 +124,9 @@ sinkhorn_triton.register_autograd(
 # Block.hc_post: y_k = post_k f + sum_j comb[j, k] x_j for each of the n streams k, per token (x [T, n, D] the streams,
 # f [T, D] the sublayer's output). The backward needs dx_j = sum_k comb[j, k] dy_k and df = sum_k post_k dy_k, and
 # per token dpost_k = <dy_k, f> and dcomb[j, k] = <x_j, dy_k>: 4 + 16 sums over D. Compiled as tensor ops, the
-# sums took five kernels that read dy three times (~118 us a sublayer for 4096 tokens of bench_2b on an H200), and
-# the forward fused into the next hc_pre's norm as one 81 us reduction (bench/RESULTS.md, session 21). Here the
-# forward is one pointwise kernel (39 us for those 4096 tokens; 28 us a token a program, session 22), and the
-# backward's sums and df one pass over dy, x and f with a program a token (53 us). With MoE's new combine, bench_2b's
-# training step went from 64-65 to 62 ms.
+# sums are five kernels that read dy three times (~118 us a sublayer for bench_2b's 4096 tokens on an H200), and
+# inductor fuses the forward into the next hc_pre's norm as one 81 us reduction. Here the forward is one pointwise
+# kernel and the backward's sums and df one pass over dy, x and f (53 us), each a program a token.
 # dx stays tensor ops (hc_post_triton's backward): a pointwise sum over dy that inductor folds into the kernel where
 # autograd adds up the streams' gradient, so it is never written out on its own.
 
@@ -137,8 +135,8 @@ sinkhorn_triton.register_autograd(
 def _hc_post_fwd(f_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, N: tl.constexpr, NP: tl.constexpr,
                  BLOCK_D: tl.constexpr):
     """Token program_id(0) whole (BLOCK_D >= D): y [NP, BLOCK_D] (rows k), each input stream x_j read as a row and
-    added in with its column of comb. (Programs of 512 columns, 4 warps, as this was before session 22: 43.1 us
-    against 35.3 us alone for bench_2b's 4096 tokens on an H200, bench/probe_hc_post.py.)"""
+    added in with its column of comb. A program a token, not a block of columns: programs of 512 columns (4 warps)
+    take 43 us against 35 for bench_2b's 4096 tokens on an H200."""
     t = tl.program_id(0).to(tl.int64)
     i, d = tl.arange(0, NP), tl.arange(0, BLOCK_D)
     rows, dm = i < N, d < D
@@ -154,8 +152,8 @@ def _hc_post_fwd(f_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, N: tl.constexpr, NP
 def _hc_post_bwd(dy_ptr, f_ptr, x_ptr, post_ptr, df_ptr, dpost_ptr, dcomb_ptr, D, N: tl.constexpr,
                  NP: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token program_id(0) whole (BLOCK_D >= D): dy [NP, BLOCK_D] (rows k) read once; df its rows weighted by post;
-    dpost and each row j of dcomb one reduction over the columns. (The first version formed dcomb from an [NP, NP,
-    BLOCK_D] product a block of columns: 117 us a sublayer, more than the five kernels it replaced.)"""
+    dpost and each row j of dcomb one reduction over the columns, a row at a time: all of dcomb from one [NP, NP,
+    BLOCK_D] product is slower than the five kernels of tensor ops."""
     t = tl.program_id(0).to(tl.int64)
     i, d = tl.arange(0, NP), tl.arange(0, BLOCK_D)
     rows, dm = i < N, d < D
@@ -221,19 +219,17 @@ hc_post_triton.register_autograd(_hc_post_backward, setup_context=_hc_post_setup
 # ----------------------------------------------------------------------------- mHC's pre-mix for a few tokens (decode)
 # Block.hc_pre collapses a token's n streams into the sublayer's input: an RMSNorm over all n * D values, the 24 mixes
 # (fn's rows, an fp32 GEMM), pre / post / comb from them (sigmoids, a softmax, the Sinkhorn loop), and the pre-weighted
-# sum of the streams. In a decode step at batch 64 that was ~9 kernels of 1-5 us each (the GEMM with its split-K
-# reduction, the norm's reductions, the Sinkhorn and its set-up, the sum), 24 times a bench_2b step (session 25's
-# trace). Here it is two kernels. The first splits the GEMM over K = n * D: a program takes 16 tokens and 128 of K,
-# one fp32 tile product and the tokens' partial sums of squares, so a step has (tokens / 16) x (K / 128) programs
-# and reads fn about tokens / 16 times. (Session 25's first version gave each token one program that walked all of K:
-# 64 programs, each a chain of 48 dependent loads, took 41-76 us a call where the compiled path takes 18; session 26.)
+# sum of the streams. Compiled as tensor ops that is ~9 kernels of 1-5 us each in a decode step (the GEMM with its
+# split-K reduction, the norm's reductions, the Sinkhorn and its set-up, the sum), 24 times a bench_2b step. Here it
+# is two kernels, for the few tokens of a decode step (HC_PRE_TOKENS).
+# The first splits the GEMM over K = n * D: a program takes 16 tokens and 128 of K, one fp32 tile product and the
+# tokens' partial sums of squares, so a step has (tokens / 16) x (K / 128) programs and reads fn about tokens / 16
+# times. (A program a token walking all of K is a chain of dependent loads on few SMs: slower than the compiled path.)
 # The second takes one token in two programs: each adds the partials it needs in a fixed order (a token's sums do not
 # depend on the batch) and the norm; one forms pre, the weighted sum and post, the other comb by the Sinkhorn in
-# registers, which had been half of the one program's time. For the few tokens of a decode step (HC_PRE_TOKENS).
-# Each alone on an H200 (bench/probe_hc_pre.py, session 26), at 64 / 256 tokens: the first 10.7 / 29.7 us with fp32
-# products, 3.3 / 6.9 with tf32x3's (hc_dot); the second 7.3 / 8.1. The compiled path they replace: 17.6 / 19.1.
-# (Session 28 had the first kernel also form the streams from the attention's output, hc_post inside it: one kernel
-# less a layer, but the decode step was no faster, 2.65 against 2.53 ms without it in session 29: removed.)
+# registers, half of a token's work.
+# On an H200 at 64 / 256 tokens: the first 3.3 / 6.9 us (hc_dot's tf32x3), the second 7.3 / 8.1; the compiled path
+# 17.6 / 19.1. hc_post stays a kernel of its own: folded into the first kernel it saves a launch a layer, not time.
 
 HC_PRE_TOKENS = 256  # Block.hc_pre takes the kernels without grad for a decode step of at most this many tokens
 HC_BT, HC_BK = 16, 128  # the GEMM's tile: tokens x K
@@ -285,9 +281,9 @@ def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, nw_ptr, h_ptr, post_pt
     """Token program_id(0), from its S partials, the same steps as mhc.hc_mixes, hc_split_sinkhorn and Block.hc_pre's
     sum. Two programs a token, which run side by side: program_id(1) 0 the sublayer's input h [D] (with NORM, then
     BLOCK_D >= D: through RMSNorm's steps, weight nw and eps out_eps, after its rounding to h's dtype) and post [N];
-    1 comb [N, N], the Sinkhorn's 2 * iters - 1 steps in registers (as _sinkhorn_fwd, a tile of one token), which
-    had taken half of the one program's time (session 26). The streams' first BLOCK_D channels (all of them for D
-    <= BLOCK_D) are loaded before the partials, so that the two loads overlap."""
+    1 comb [N, N], the Sinkhorn's 2 * iters - 1 steps in registers (as _sinkhorn_fwd, a tile of one token), half of
+    the token's work and so a program of its own. The streams' first BLOCK_D channels (all of them for D <= BLOCK_D)
+    are loaded before the partials, so that the two loads overlap."""
     t = tl.program_id(0).to(tl.int64)
     i, d = tl.arange(0, NP), tl.arange(0, BLOCK_D)
     im, cm = i < N, (i[:, None] < N) & (i[None, :] < N)
@@ -328,8 +324,7 @@ def _hc_pre(x_ptr, part_ptr, ss_ptr, scale_ptr, base_ptr, nw_ptr, h_ptr, post_pt
 
 def hc_dot(backend):
     """The mixes' tl.dot precision on a backend: on CUDA "tf32x3", three tf32 products to ~fp32, 3.3 us a call at
-    64 tokens against fp32's ("ieee") 10.7 on an H200 (bench/probe_hc_pre.py, session 26); AMD's compiler has no
-    tf32x3, so "ieee" there."""
+    64 tokens against fp32's ("ieee") 10.7 on an H200; AMD's compiler has no tf32x3, so "ieee" there."""
     return "tf32x3" if backend == "cuda" else "ieee"
 
 

@@ -2,12 +2,12 @@
 The router's Triton kernels, each beside the code it replaces (tests/test_routing_kernels.py checks that the two agree,
 alone and in the model's forward; tests/test_kernel_builds.py compiles them for sm_90 and gfx950):
 
-  - route_triton: the router without grad (model_dsv4.Gate.forward from its logits: scores, top-k, weights).
-  - pair_order_triton: a decode step's (token, pick) pairs put in expert order (model_dsv4.expert_order's count);
-    sort_pairs_triton: the same, with the pairs' rows and weights moved there (model_dsv4.dispatch on one rank).
+  - route_triton: the router without grad (moe.Gate.forward from its logits: scores, top-k, weights).
+  - pair_order_triton: a decode step's (token, pick) pairs put in expert order (moe.expert_order's count);
+    sort_pairs_triton: the same, with the pairs' rows and weights moved there (moe.dispatch on one rank).
 
-All are torch.library custom ops, as dsv4_kernels/mhc_triton.py's are. kernels_triton is imported first (it turns on Triton's
-interpreter without a GPU, before triton is imported).
+All are torch.library custom ops, as mhc_triton.py's are. Without a GPU the package's __init__ turns on Triton's
+interpreter before triton is imported.
 """
 import torch
 
@@ -15,9 +15,9 @@ from . import _jit, tl, triton
 
 
 # ----------------------------------------------------------------------------- a decode step's routing
-# The router's scores, top-k and weights (model_dsv4.Gate.forward) were ~6 kernels a layer in a decode step (the
+# The router's scores, top-k and weights (moe.Gate.forward) are ~6 kernels a layer in a decode step (the
 # scoring, torch.topk's gather and sort, the weights' gather and normalisation), and the count sort of the (token,
-# pick) pairs by expert (model_dsv4.expert_order) with its counts and inverse two more. Here they are two kernels:
+# pick) pairs by expert (moe.expert_order) with its counts and inverse two more. Here they are two kernels:
 # route_triton takes 16 tokens a program, their logits rows in registers, and picks the top k by k passes of a
 # row max (the lowest expert of equal scores first); pair_order_triton gives each pair its row in expert order by
 # counting the pairs before it, and each expert its count.
@@ -77,7 +77,7 @@ def _route(logits_ptr, table_ptr, ids_ptr, w_ptr, idx_ptr, N, E, row, scale, K: 
 @torch.library.custom_op("nano_dsv4::route", mutates_args=())
 def route_triton(logits: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, k: int, func: str, hash: bool,
                  norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """model_dsv4.Gate.forward from its logits [N, E] fp32: func the scoring ("softmax", "sigmoid", "sqrtsoftplus"),
+    """moe.Gate.forward from its logits [N, E] fp32: func the scoring ("softmax", "sigmoid", "sqrtsoftplus"),
     table the bias [E] or (hash) tid2eid [vocab, k], ids [N] the tokens (read by hash layers) -> weights [N, k] fp32
     (normalised if norm, times scale), expert ids [N, k] int64. The logits may be a slice of wider rows (the decode's
     fused projections): read in place."""
@@ -150,7 +150,7 @@ def _order(flat, n_experts, copy=None):
 
 @torch.library.custom_op("nano_dsv4::pair_order", mutates_args=())
 def pair_order_triton(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """model_dsv4.expert_order's count sort: flat [P] int64 expert ids -> order [P], inv [P], counts [n_experts]."""
+    """moe.expert_order's count sort: flat [P] int64 expert ids -> order [P], inv [P], counts [n_experts]."""
     return _order(flat, n_experts)
 
 
@@ -161,7 +161,7 @@ pair_order_triton.register_fake(lambda flat, n_experts: (torch.empty_like(flat),
 @torch.library.custom_op("nano_dsv4::sort_pairs", mutates_args=())
 def sort_pairs_triton(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, n_experts: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """model_dsv4.dispatch on one rank for a decode step: x [N, D], weights [N, K] fp32, idx [N, K] int64 expert ids
+    """moe.dispatch on one rank for a decode step: x [N, D], weights [N, K] fp32, idx [N, K] int64 expert ids
     -> the pairs' rows xs [N * K, D] and weights ws [N * K] in expert order, order, inv, counts [n_experts]."""
     x, weights = x.contiguous(), weights.float().contiguous()
     xs, ws = x.new_empty(idx.numel(), x.shape[1]), weights.new_empty(idx.numel())

@@ -137,8 +137,8 @@ def test_path_invariant_engine_equals_trainer(device):
 
 
 def test_path_invariant_keeps_dtypes_and_rounds_once():
-    """Under dsv4_kernels.invariant.PathInvariant a bf16 GEMM stays bf16 and equals the fp64 product rounded once; a sum over
-    rows gives each row what it gives that row alone; in-place index_add writes into its fp32 target."""
+    """Under dsv4_kernels.invariant.PathInvariant a bf16 GEMM stays bf16 and equals the fp64 product rounded once; a
+    sum over rows gives each row what it gives that row alone; in-place index_add writes into its fp32 target."""
     from dsv4_kernels.invariant import PathInvariant
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(37, 300, generator=g).bfloat16(), torch.randn(300, 24, generator=g).bfloat16()
@@ -156,8 +156,8 @@ def test_path_invariant_keeps_dtypes_and_rounds_once():
 def test_path_invariant_engine_equals_trainer_on_a_sensitive_model():
     """The same with set_invariant on TINY (spec §7.1: window, CSA and HCA layers, hash routing) in bf16 with
     compare_logprobs.wide_init_ (the init bench.py's mismatch uses, whose sharp logits show every difference): bit
-    for bit over 36 sampled tokens. SMALL above did not show the RoPE tables' rounding that broke --invariant in
-    sessions 23-28; this did (max |Δ| 0.027 with PathInvariant.DECOMPOSE emptied)."""
+    for bit over 36 sampled tokens. Unlike SMALL above, this model shows the RoPE tables' fp32 rounding that
+    --invariant must remove (max |Δ| 0.027 with PathInvariant.DECOMPOSE emptied)."""
     from compare_logprobs import wide_init_
     model = wide_init_(Transformer(copy.deepcopy(TINY), dtype=torch.float32)).set_dtype(torch.bfloat16).eval()
     model.set_kernels(False).set_invariant(True)
@@ -168,11 +168,11 @@ def test_path_invariant_engine_equals_trainer_on_a_sensitive_model():
 
 
 def test_path_invariant_rope_tables_of_prefill_and_decode_agree(monkeypatch):
-    """Under dsv4_kernels.invariant.PathInvariant the RoPE tables of the trainer and the prefill (model_dsv4.rope_angles, an op
-    of its own) equal the decode's (the same angles computed inline, positions [B, 1]) bit for bit, for both bases, at
-    positions 0-4095: the mode runs the op's code (PathInvariant.DECOMPOSE), its cos and sin in fp64 as the decode's
-    are. Without that they part by an fp32 rounding, as sessions 23-28 had it (|Δ logprob| 0.079 with --invariant on an
-    H200; bench.py --what=mismatch --invariant on tiny, bf16, on the CPU: 8e-3): checked here too."""
+    """Under dsv4_kernels.invariant.PathInvariant the RoPE tables of the trainer and the prefill
+    (model_dsv4.rope_angles, an op of its own) equal the decode's (the same angles computed inline, positions [B, 1])
+    bit for bit, for both bases, at positions 0-4095: the mode runs the op's code (PathInvariant.DECOMPOSE), its cos
+    and sin in fp64 as the decode's are. Without that they part by an fp32 rounding (|Δ logprob| 0.079 with
+    --invariant on an H200; bench.py --what=mismatch --invariant on tiny, bf16, on the CPU: 8e-3): checked here too."""
     from dsv4_kernels.invariant import PathInvariant
     pos = torch.arange(4096)
 

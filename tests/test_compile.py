@@ -65,7 +65,7 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
 
 def test_reference_expert_loop_runs_eagerly_in_compiled_layers(compile_layers):
     """fp32 on a GPU (and kernels off anywhere) takes MoE.loop_experts, which reads the row counts on the host:
-    compiled layers call it eagerly (a graph break; inductor had failed on its data-dependent slices on an H200, in
+    compiled layers call it eagerly (a graph break: inductor fails on its data-dependent slices on an H200, in
     train_grpo.py's fp32 default) and give eager's logits and gradients."""
     dev, args = "cuda" if CUDA else "cpu", copy.deepcopy(SMALL)
     args.num_hidden_layers, args.num_nextn_predict_layers = 1, 0  # one layer: one graph to compile

@@ -117,7 +117,7 @@ def test_engine_warm_up_compiles_every_batch_size_first(compile_layers):
     engine.warm_up()
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 4  # two kinds of layer and the head, each again once the batch size moved
-    for b in (3, 5, 8):  # without autograd in any caller's mode (inductor failed with it on the H200: mm_f32)
+    for b in (3, 5, 8):  # without autograd in any caller's mode (inductor fails with it on the H200: mm_f32)
         out = engine.decode(torch.arange(b), torch.randint(2, args.vocab_size, (b,)), torch.full((b,), 7))
         assert not out.requires_grad
     out = engine.prefill([0, 1, 2, 3], [[5] * n for n in (3, 60, 17, 40)])  # 4 prompts up to 60 tokens, padded

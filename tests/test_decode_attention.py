@@ -1,13 +1,13 @@
 """dsv4_kernels.decode_attention.decode_attention_triton against model_dsv4.sink_attention on the gathered keys (with
 Attention.output's inverse RoPE), alone and in the engine's decode. Without a GPU, Triton's interpreter runs it on CPU
-tensors (dsv4_kernels/mhc_triton.py turns it on); test_kernel_builds.py compiles it for sm_90 and gfx950."""
+tensors (the package's __init__ turns it on); test_kernel_builds.py compiles it for sm_90 and gfx950."""
 import copy
 from dataclasses import replace
 
 import pytest
 import torch
 
-from dsv4_kernels.decode_attention import decode_attention_triton  # before triton: without a GPU it turns on the interpreter
+from dsv4_kernels.decode_attention import decode_attention_triton  # before triton: turns on the interpreter
 import kv_cache
 from conftest import TINY, randomize_
 from model_dsv4 import Transformer, apply_rope, rope_cos_sin, sink_attention

@@ -1,10 +1,10 @@
-"""dsv4_kernels/decode.py's kernels against the code they replace: experts_triton against dsv4_kernels.fast.grouped_experts and
+"""dsv4_kernels/decode.py's kernels against the code they replace: experts_triton against fast.grouped_experts and
 Expert.forward, alone and in the model's forward without grad; compress_step_triton against the cache's compressor
 step, alone and in the engine's decode; sample_triton against engine.sample_tokens, alone and in the engine;
 q_norm_rope_triton against Attention.query; window_kv_triton against Attention.window_kv and the cache's writes, alone
 and in the engine's decode (the decode attention's: test_decode_attention.py, the routing kernels':
-test_routing_kernels.py). Without a GPU, Triton's interpreter runs them on CPU tensors (dsv4_kernels/mhc_triton.py turns it
-on); test_kernel_builds.py compiles them for sm_90 and gfx950."""
+test_routing_kernels.py). Without a GPU, Triton's interpreter runs them on CPU tensors (the package's __init__ turns
+it on); test_kernel_builds.py compiles them for sm_90 and gfx950."""
 import copy
 from dataclasses import replace
 from types import SimpleNamespace
@@ -12,16 +12,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsv4_kernels.decode import (experts_triton, q_norm_rope_triton,  # before triton: without a GPU it turns on the
-                            sample_triton, window_kv_triton)      # interpreter
+from dsv4_kernels.decode import (experts_triton, q_norm_rope_triton,  # before triton: without a GPU the package
+                                 sample_triton, window_kv_triton)      # turns on the interpreter
 import engine
 import dsv4_kernels.fast
-import dsv4_kernels.fast as kernels_torch
 import kv_cache
 from dsv4_kernels import INTERPRETED
 import model_dsv4
 from conftest import TINY, randomize_
-from model_dsv4 import Attention, Compressor, Expert, Transformer, rope_cos_sin
+from model_dsv4 import Attention, Compressor, Transformer, rope_cos_sin
+from moe import Expert
 from test_triton import FOUR
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
@@ -58,7 +58,7 @@ def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, sh
     with torch.no_grad():
         out = experts_triton(xs, ws, counts.cumsum(0).to(torch.int32), w13, w2, limit,
                              *((x, sh.w1.weight, sh.w3.weight, sh.w2.weight) if shared else ()))
-        monkeypatch.setattr(kernels_torch, "has_triton", lambda t: False)
+        monkeypatch.setattr(dsv4_kernels.fast, "has_triton", lambda t: False)
         ref = dsv4_kernels.fast.grouped_experts(experts, xs, ws, counts, limit)
         ends = counts.cumsum(0).tolist()
         exact = torch.cat([copy.deepcopy(e).double()(xs[a:b].double(), ws[a:b].double())
@@ -118,13 +118,14 @@ def test_compress_step_triton_equals_compressor_step(ratio, d, dtype):
 
 def test_model_without_grad_on_triton_experts_equals_reference(monkeypatch):
     """A decode step's MoE (one token a sequence, without grad) takes the experts' kernels through
-    dsv4_kernels.fast.grouped_experts (with few rows an expert): four of TINY's layers on 20 sequences of 1 token against
-    the same model on aten's grouped GEMM, fp32 to 1e-5 of the largest logit (on a GPU bf16, which aten's grouped GEMM
-    needs there, to 2e-2); each layer's MoE called the kernels once. A prefill's rows (2 sequences of 10 tokens, as few
-    an expert) never do: a branch on their count made the compiled prefill compile again after the warm-up."""
+    dsv4_kernels.fast.grouped_experts (with few rows an expert): four of TINY's layers on 20 sequences of 1 token
+    against the same model on aten's grouped GEMM, fp32 to 1e-5 of the largest logit (on a GPU bf16, which aten's
+    grouped GEMM needs there, to 2e-2); each layer's MoE called the kernels once. A prefill's rows (2 sequences of 10
+    tokens, as few an expert) never do: a branch on their count would make the compiled prefill compile again after
+    the warm-up."""
     calls, dtype = [], torch.bfloat16 if DEV == "cuda" else torch.float32
-    monkeypatch.setattr(kernels_torch, "has_triton", lambda t: True)
-    monkeypatch.setattr(kernels_torch, "experts_triton", lambda *a: calls.append(1) or experts_triton(*a))
+    monkeypatch.setattr(dsv4_kernels.fast, "has_triton", lambda t: True)
+    monkeypatch.setattr(dsv4_kernels.fast, "experts_triton", lambda *a: calls.append(1) or experts_triton(*a))
     model = randomize_(Transformer(copy.deepcopy(FOUR), dtype=dtype), FOUR.n_routed_experts,
                        FOUR.num_experts_per_tok, seed=6).to(DEV).set_kernels(True)
     ids = torch.randint(0, FOUR.vocab_size, (20, 1), generator=torch.Generator().manual_seed(7)).to(DEV)
@@ -133,7 +134,7 @@ def test_model_without_grad_on_triton_experts_equals_reference(monkeypatch):
         assert len(calls) == FOUR.num_hidden_layers
         model(ids.view(2, 10))
         assert len(calls) == FOUR.num_hidden_layers
-        monkeypatch.setattr(kernels_torch, "has_triton", lambda t: False)
+        monkeypatch.setattr(dsv4_kernels.fast, "has_triton", lambda t: False)
         ref = model(ids)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (fast - ref).abs().max() <= tol * ref.abs().max(), ((fast - ref).abs().max(), ref.abs().max())

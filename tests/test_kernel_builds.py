@@ -1,4 +1,4 @@
-"""Every Triton kernel of the project (dsv4_kernels/mhc_triton.py, dsv4_kernels/decode.py, dsv4_kernels/decode_attention.py, dsv4_kernels/route.py)
+"""Every Triton kernel of the project (dsv4_kernels/: mhc_triton.py, decode.py, decode_attention.py, route.py)
 compiled to machine code for the H200 and the MI355X, without a GPU. Their values are tested against their references
 in test_triton.py, test_decode_kernels.py, test_decode_attention.py and test_routing_kernels.py."""
 import os
@@ -13,15 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_kernels_compile_for_h200_and_mi355x():
-    """Triton's interpreter runs code that its compiler refuses (session 14's first kernel passed the tests above on
-    the CPU and failed to compile on the GPU: an `if` whose branches gave two shapes). So every kernel is also
-    compiled here, without a GPU, to machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as
-    the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
+    """Triton's interpreter runs code that its compiler refuses (an `if` whose branches give two shapes passes the
+    tests on the CPU and fails to compile for the GPU). So every kernel is also compiled here, without a GPU, to
+    machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
     (D 1536: a block of 2048, a token a program); decode attention at head dim 512 (one program a sequence, and
     split; RoPE undone on the output; with the indexer's picks and without); the experts' two kernels, with the
     shared expert and without; the compressor's step with and without overlap; the sampler's two kernels; hc_pre's
-    two at bench_2b's sizes (the mixes' tl.dot in each backend's precision, dsv4_kernels.mhc_triton.hc_dot; the second with
-    the sublayer's norm and without); the router (hash and learned, 256 experts) and the pairs' ordering (with the
+    two at bench_2b's sizes (the mixes' tl.dot in each backend's precision, mhc_triton.hc_dot; the second with the
+    sublayer's norm and without); the router (hash and learned, 256 experts) and the pairs' ordering (with the
     rows' copy and without); the query's norm and RoPE and the window key's write at head dim 512. In a subprocess per
     backend: this process's kernels are interpreted."""
     code = """

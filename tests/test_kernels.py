@@ -43,7 +43,7 @@ def test_window_attention_equals_band_mask(T, S):
 
 def test_split_bf16_is_exact_eager_and_compiled():
     """Three bf16 parts sum to the fp32 value exactly, over 40 decades, also under torch.compile (inductor drops a
-    fp32 -> bf16 -> fp32 round trip, which left a rounded split's later parts zero: session 9)."""
+    fp32 -> bf16 -> fp32 round trip, which would leave a rounded split's later parts zero)."""
     t = torch.randn(4000, generator=torch.Generator().manual_seed(1)) * torch.logspace(-20, 20, 4000)
     for parts in (split_bf16(t), torch.compile(split_bf16)(t)):
         assert all(p.dtype == torch.bfloat16 for p in parts) and (parts[1] != 0).float().mean() > 0.9
@@ -54,7 +54,7 @@ def test_split_bf16_is_exact_eager_and_compiled():
 def test_hc_mixes_bf16_as_accurate_as_fp32(R):
     """mHC's mixes from bf16 streams with fn in three bf16 parts, against fp64: the mixes and dfn within 1e-5 of their
     largest value, and on the CPU within 2x the fp32 reference's error (an H200's tensor cores accumulate less
-    exactly than its fp32 FFMA GEMM: ~8x the reference's error there, session 9); dx (bf16, as the streams) the
+    exactly than its fp32 FFMA GEMM: ~8x the reference's error there); dx (bf16, as the streams) the
     exact value's rounding but for rare one-step flips. On a GPU the GEMMs run on tensor cores, eager and compiled
     by inductor (the training layers' form); on the CPU the same parts in fp32 GEMMs. R = 4 takes the padding to 8
     rows."""

@@ -1,7 +1,7 @@
-"""dsv4_kernels/fast.py's fast paths where they meet training state and the engine: the experts' stacked weights (trained in
-place through the parameters' views, gradients that add up, re-stacked after a cast or a load, followed by the
-engine's weight loads), and on a GPU the engine's CUDA-graph decode against its eager decode and the forward, and
-with the decode kernels' programmatic dependent launch against without.
+"""dsv4_kernels/fast.py's fast paths where they meet training state and the engine: the experts' stacked weights
+(trained in place through the parameters' views, gradients that add up, re-stacked after a cast or a load, followed
+by the engine's weight loads), and on a GPU the engine's CUDA-graph decode against its eager decode and the forward,
+and with the decode kernels' programmatic dependent launch against without.
 The kernels themselves against their references: test_kernels.py."""
 import copy
 
@@ -21,8 +21,8 @@ def test_engine_cuda_graphs_equal_eager_and_forward():
     bucket; eager reads only the visible entries: other GEMM shapes, ~3e-3 in a logprob), and it is as close to the
     full forward as the reference kernels' engine is to theirs (bf16 rounding differs between a batched decode and a
     full forward). A near-tie in a top-k pick (a token's experts, the indexer's entries) can also flip between the
-    two and move a logprob, and a few after it, by 0.1-0.6 (H200, session 19: 2 runs of 4 with random prompts had
-    1 or 3 such tokens of 40), so most tokens, not all, must agree to rounding; a wrong path misses on most."""
+    two and move a logprob, and a few after it, by 0.1-0.6 (on an H200, 1-3 such tokens of 40 with random prompts),
+    so most tokens, not all, must agree to rounding; a wrong path misses on most."""
     from engine import Engine, SamplingParams
     model = randomize_(Transformer(copy.deepcopy(TINY), dtype=torch.float32), TINY.n_routed_experts,
                        TINY.num_experts_per_tok, seed=6).set_dtype(torch.bfloat16).cuda().set_kernels(True)
@@ -132,11 +132,12 @@ def test_engine_stacked_experts_follow_weight_loads():
 
 
 def test_engine_fused_projections_equal_separate_and_follow_loads(monkeypatch):
-    """The engine's decode runs each layer's attention projections of one input as one GEMM on their weights fused into
-    one tensor (Transformer.fuse_projections, dsv4_kernels.fast.fused_projections): each projection's slice equals its own
-    linear; 12 cached decode steps (a window and a CSA and HCA compressor's windows completing among them) give the
-    logits of the same steps with every projection on its own (fp32, to 1e-5 of the largest); a weight load writes
-    through into the fused tensor; a deepcopy (which breaks the views) runs the projections on their own."""
+    """The engine's decode runs each layer's attention projections of one input as one GEMM on their weights fused
+    into one tensor (Transformer.fuse_projections, dsv4_kernels.fast.fused_projections): each projection's slice
+    equals its own linear; 12 cached decode steps (a window and a CSA and HCA compressor's windows completing among
+    them) give the logits of the same steps with every projection on its own (fp32, to 1e-5 of the largest); a weight
+    load writes through into the fused tensor; a deepcopy (which breaks the views) runs the projections on their
+    own."""
     from dataclasses import replace
 
     from engine import Engine

@@ -156,7 +156,7 @@ def test_moe_row_moves_equal_index_ops_both_ways():
     """dispatch's copy of each token's row once per pick (Picks) and combine's sum of a token's rows (PickSum), whose
     backward passes are gathers written by hand, against the same moves as autograd's index ops (x[order // K]; an
     index_add_ by token), forward and backward, in fp64; and gradcheck on both."""
-    from model_dsv4 import Picks, PickSum, inverse_permutation
+    from moe import Picks, PickSum, inverse_permutation
     g = torch.Generator().manual_seed(0)
     N, K, D = 9, 3, 5
     order = torch.randint(0, 4, (N * K,), generator=g).argsort(stable=True)  # pairs sorted by a random expert id
@@ -180,7 +180,7 @@ def test_expert_order_counted_and_sorted_equal_the_stable_sort():
     """dispatch's order of the (token, pick) pairs by expert, counted (a decode step) and radix-sorted, each equal to a
     stable argsort and its inverse, with the pairs per expert: ids over 256 experts (an int32 key), experts that get
     no pair."""
-    from model_dsv4 import expert_order, inverse_permutation
+    from moe import expert_order, inverse_permutation
     g = torch.Generator().manual_seed(0)
     for P, E in ((1, 8), (384, 64), (5000, 64), (700, 300), (64, 256)):
         flat = torch.randint(0, E, (P,), generator=g)

@@ -1,20 +1,20 @@
-"""dsv4_kernels/route.py's kernels against the code they replace: route_triton against model_dsv4.Gate.forward and
+"""dsv4_kernels/route.py's kernels against the code they replace: route_triton against moe.Gate.forward and
 pair_order_triton against a stable sort, sort_pairs_triton against dispatch, alone and in the model's forward without
-grad. Without a GPU, Triton's
-interpreter runs them on CPU tensors (dsv4_kernels/mhc_triton.py turns it on); test_kernel_builds.py compiles them for sm_90 and
-gfx950."""
+grad. Without a GPU, Triton's interpreter runs them on CPU tensors (the package's __init__ turns it on);
+test_kernel_builds.py compiles them for sm_90 and gfx950."""
 import copy
 from dataclasses import replace
 
 import pytest
 import torch
 
-from dsv4_kernels.route import (pair_order_triton, route_triton,  # before triton: without a GPU it turns on the interpreter
-                           sort_pairs_triton)
-import dsv4_kernels.route as kernels_route
-import model_dsv4
+from dsv4_kernels.route import (pair_order_triton, route_triton,  # before triton: without a GPU the package turns
+                                sort_pairs_triton)                # on the interpreter
+import dsv4_kernels.route
+import moe
 from conftest import TINY, randomize_
-from model_dsv4 import Gate, MoE, Transformer
+from model_dsv4 import Transformer
+from moe import Gate, MoE
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
 
@@ -50,7 +50,7 @@ def test_pair_order_triton_equals_the_stable_sort(P, E, bq, monkeypatch):
     """A decode step's (token, pick) pairs put in expert order: order and its inverse equal a stable argsort's, the
     counts bincount's; pairs past a block, experts over 256, experts with no pair, and the pairs compared in several
     loads (256 at a time)."""
-    monkeypatch.setattr(kernels_route, "ORDER_BQ", bq)
+    monkeypatch.setattr(dsv4_kernels.route, "ORDER_BQ", bq)
     flat = torch.randint(0, E, (P,), generator=torch.Generator().manual_seed(P)).to(DEV)
     order, inv, counts = pair_order_triton(flat, E)
     ref = flat.argsort(stable=True)
@@ -68,7 +68,7 @@ def test_sort_pairs_triton_equals_dispatch(N, K, D, E, dtype):
     x = torch.randn(N, D, generator=g).to(DEV, dtype)
     w, idx = torch.rand(N, K, generator=g).to(DEV), torch.randint(0, E, (N, K), generator=g).to(DEV)
     xs, ws, order, inv, counts = sort_pairs_triton(x, w, idx, E)
-    ref_order, ref_inv, ref_counts = model_dsv4.expert_order(idx.flatten(), E)
+    ref_order, ref_inv, ref_counts = moe.expert_order(idx.flatten(), E)
     assert torch.equal(order, ref_order) and torch.equal(inv, ref_inv) and torch.equal(counts, ref_counts)
     assert xs.dtype == dtype and torch.equal(xs, x[ref_order // K]) and torch.equal(ws, w.flatten()[ref_order])
 
@@ -78,10 +78,10 @@ def test_model_without_grad_on_triton_routing_equals_reference(monkeypatch):
     included) and, for one token a sequence (a decode step), orders the pairs by sort_pairs_triton: TINY's layers on
     5 sequences of one token, fp32, against the reference model, to 1e-5 of the largest logit."""
     calls = {"route": 0, "order": 0}
-    monkeypatch.setattr(model_dsv4, "has_triton", lambda t: True)
-    monkeypatch.setattr(model_dsv4, "route_triton", lambda *a: calls.update(route=calls["route"] + 1)
+    monkeypatch.setattr(moe, "has_triton", lambda t: True)
+    monkeypatch.setattr(moe, "route_triton", lambda *a: calls.update(route=calls["route"] + 1)
                         or route_triton(*a))
-    monkeypatch.setattr(model_dsv4, "sort_pairs_triton", lambda *a: calls.update(order=calls["order"] + 1)
+    monkeypatch.setattr(moe, "sort_pairs_triton", lambda *a: calls.update(order=calls["order"] + 1)
                         or sort_pairs_triton(*a))
     model = randomize_(Transformer(copy.deepcopy(TINY), dtype=torch.float32), TINY.n_routed_experts,
                        TINY.num_experts_per_tok, seed=8).to(DEV)

@@ -1,9 +1,10 @@
-"""dsv4_kernels/mhc_triton.py's kernels against the code they replace: sinkhorn_triton (mHC's Sinkhorn loop as one Triton kernel
-forward and one backward) against mhc.sinkhorn, hc_post_triton (mHC's write-back into the streams) against
-model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile, and in the whole model;
+"""dsv4_kernels/mhc_triton.py's kernels against the code they replace: sinkhorn_triton (mHC's Sinkhorn loop as one
+Triton kernel forward and one backward) against mhc.sinkhorn, hc_post_triton (mHC's write-back into the streams)
+against model_dsv4.Block.hc_post: values and gradients, eager and under torch.compile, and in the whole model;
 hc_pre_triton (mHC's pre-mix for decode) against Block.hc_pre's reference, alone and in a model's forward without
 grad (every kernel of the project compiled for sm_90 and gfx950: test_kernel_builds.py).
-Without a GPU, dsv4_kernels/mhc_triton.py runs Triton's interpreter on CPU tensors (the same kernel code, executed in numpy)."""
+Without a GPU, Triton's interpreter runs the kernels on CPU tensors (the same kernel code, executed in numpy): the
+package's __init__ turns it on."""
 import copy
 from dataclasses import replace
 from types import SimpleNamespace
@@ -11,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsv4_kernels.mhc_triton import (hc_post_triton, hc_pre_triton,  # before triton: without a GPU it turns on the
-                            sinkhorn_triton)                 # interpreter
+from dsv4_kernels.mhc_triton import (hc_post_triton, hc_pre_triton,  # before triton: without a GPU the package
+                                     sinkhorn_triton)                 # turns on the interpreter
 import mhc
 import model_dsv4
 import parallel
@@ -193,8 +194,8 @@ def test_hc_pre_triton_equals_reference(n, D, T, dtype, norm):
 def test_model_without_grad_on_hc_pre_triton_equals_reference(monkeypatch):
     """A decode-shaped forward without grad (one position, few tokens) takes hc_pre_triton for every sublayer: TINY's
     layers on 5 sequences of one token, fp32, against the same model's reference hc_pre, to 1e-5 of the largest
-    logit; a prefill's inputs never take it, few tokens (2 x 10) or many (5 x 60): a branch on their count made
-    the compiled prefill compile again after Engine.warm_up (session 31)."""
+    logit; a prefill's inputs never take it, few tokens (2 x 10) or many (5 x 60): a branch on their count would make
+    the compiled prefill compile again after Engine.warm_up."""
     calls = []
     monkeypatch.setattr(model_dsv4, "has_triton", lambda t: True)
     monkeypatch.setattr(model_dsv4, "hc_pre_triton", lambda *a: calls.append(1) or hc_pre_triton(*a))

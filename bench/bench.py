@@ -1,10 +1,12 @@
 """
 Benchmarks, each a ratio against a peer measured in the same run (never absolute numbers in tests).
 
-    python bench.py                          # training fwd+bwd, tiny config, CPU, vs transformers
-    python bench.py --what=decode            # embedded engine decode vs transformers' generate, batch 64
-    python bench.py --what=sync --model=config/models/bench_2b.json --dtype=bfloat16   # weight sync vs file write / copies
-    python bench.py --model=config/models/bench_2b.json --seq=4096 --batch=1 --dtype=bfloat16   # on a GPU
+    python bench/bench.py                    # training fwd+bwd, tiny config, CPU, vs transformers
+    python bench/bench.py --what=decode      # embedded engine decode vs transformers' generate, batch 64
+    python bench/bench.py --what=sync --model=config/models/bench_2b.json --dtype=bfloat16   # vs file write / copies
+    python bench/bench.py --model=config/models/bench_2b.json --seq=4096 --batch=1 --dtype=bfloat16   # on a GPU
+
+Run from the repository's root (the model configs' paths are relative to it).
 
 Both models get the same weights (ours saved, transformers loads them) and the same inputs. The sync benchmark's
 peers are a plain file write and a memcpy of the same bytes (on CUDA also a device-to-device copy) and, for the
@@ -15,17 +17,20 @@ import contextlib
 import copy
 import logging
 import os
+import sys
 import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
-import compile_policy
-import grpo
-import parallel
-from checkpoint import save_pretrained
-from model_dsv4 import ModelArgs, Transformer
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the project's modules, wherever this runs from
+import compile_policy  # noqa: E402
+import grpo  # noqa: E402
+import parallel  # noqa: E402
+from checkpoint import save_pretrained  # noqa: E402
+from model_dsv4 import ModelArgs, Transformer  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--what", default="train", choices=["train", "decode", "sync", "mismatch"])
@@ -41,15 +46,12 @@ p.add_argument("--tmp", default=None, help="sync: directory for the disk transpo
 p.add_argument("--kernels", default="auto", choices=["auto", "fast", "reference"],
                help="dsv4_kernels/fast.py's fast paths (auto: on a GPU) or the plain reference")
 p.add_argument("--compile", default="off", choices=["off", "hot", "layers", "graphs"],
-               help="compile_policy.compile_hot_paths() (hot) or compile_policy.compile_layers() (layers; graphs: with CUDA graphs of "
-                    "each layer's forward and backward, GPU only) before building the models")
+               help="compile_policy.compile_hot_paths() (hot) or compile_policy.compile_layers() (layers; graphs: "
+                    "with CUDA graphs of each layer's forward and backward, GPU only) before building the models")
 p.add_argument("--invariant", action="store_true", help="mismatch: both sides path-invariant (model.set_invariant)")
-p.add_argument("--profile", action="store_true", help="train, decode: print the top CUDA/CPU ops of ours (one training "
-               "step; four decode steps)")
-p.add_argument("--trace", default="", help="with --profile: also write the profiled steps' trace (chrome://tracing "
-               "JSON) here")
-p.add_argument("--no_peer", action="store_true", help="decode: ours and the floor only, not transformers' generate "
-               "(for runs that compare our own versions; the ratio needs the full run)")
+p.add_argument("--profile", action="store_true", help="train, decode: our top CUDA/CPU ops (a step; 4 decode steps)")
+p.add_argument("--trace", default="", help="with --profile: also write the profiled steps' chrome://tracing JSON here")
+p.add_argument("--no_peer", action="store_true", help="decode: ours and the floor only, no transformers (no ratio)")
 p.add_argument("--layers", type=int, default=0, help="keep only the first N trunk layers (less memory; 0 = all)")
 cli = p.parse_args()
 if cli.compile == "graphs" and not torch.cuda.is_available():
@@ -61,10 +63,19 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def timed(fn, device, reps=1):
+    """Seconds a call of fn takes, the mean of reps calls, the device synchronised before and after them."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / reps
+
+
 def time_train(model, ids, loss_of, steps, warmup, device):
     """(seconds per forward+backward of a next-token loss, seconds the host took to issue it), medians over steps.
-    When the two are close the host bounds the step (it launches kernels or graphs slower than the device runs
-    them), and the device waits between kernels."""
+    When the two are close the host bounds the step: the device waits between kernels."""
     times, issue = [], []
     for i in range(warmup + steps):
         sync(device)
@@ -108,25 +119,25 @@ def matmul_rate(device, dtype, n=8192):
     """FLOP/s of one large square matmul in dtype, the MFU denominator (measured, not the datasheet)."""
     n = n if device.type == "cuda" else 1024
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    t0, reps = time.perf_counter(), 20 if device.type == "cuda" else 3
-    for _ in range(reps):
-        a @ b
-    sync(device)
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    timed(lambda: a @ b, device, 3)  # warm-up
+    return 2 * n ** 3 / timed(lambda: a @ b, device, 20 if device.type == "cuda" else 3)
 
 
-def print_profile(prof, device, wall, per=1):
-    """The top ops of a profile, and how much of the wall time the device was busy (per step)."""
+def profiled(fn, device, reps, trace="", **kw):
+    """Profiles reps calls (steps) of fn: prints the top ops and the device's busy time a step; writes `trace`."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts, **kw) as prof:
+        wall = timed(fn, device, reps)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     ev = prof.key_averages()
-    busy = sum(getattr(e, key) for e in ev) / 1e3 / per  # µs -> ms
+    busy = sum(getattr(e, key) for e in ev) / 1e3 / reps  # µs -> ms
     print(f"  profiled step: {wall * 1e3:.1f} ms wall, {busy:.1f} ms of {key.split('_')[1]} time in ops")
     print(ev.table(sort_by=key, row_limit=60, max_name_column_width=90))
     if device.type == "cuda":
         print_gaps(prof)
+    if trace:
+        prof.export_chrome_trace(trace)
 
 
 def print_gaps(prof, top=12):
@@ -147,6 +158,19 @@ def print_gaps(prof, top=12):
         print(f"    {g:8.1f} us after {a[:60]}, before {b[:60]}")
 
 
+def experts_picked(model, prompts):
+    """{layer: set of expert ids} the batch's tokens pick in one eager forward at position 0 (hooks on the routers;
+    they do not run inside the compiled layers)."""
+    picked = {i: set() for i in model.layers}
+    keep = lambda i: lambda gate, inputs, out: picked[i].update(out[1].unique().tolist())  # out: (weights, ids)
+    hooks = [layer.ffn.gate.register_forward_hook(keep(i)) for i, layer in model.layers.items()]
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"), model.numerics():
+        model(prompts[:, :1])
+    for h in hooks:
+        h.remove()
+    return picked
+
+
 def bench_decode(ours, ref, args, device, versions):
     """Greedy generation of exactly new_tokens per sequence for a batch of seq-token prompts, both sides;
     tokens/s counts generated tokens over the whole call (prefill included, prompts are short). The floor: the
@@ -155,12 +179,10 @@ def bench_decode(ours, ref, args, device, versions):
     from engine import Engine, SamplingParams
     prompts = torch.randint(2, args.vocab_size, (cli.batch, cli.seq), device=device)
     engine = Engine(ours, max_batch=cli.batch, max_len=cli.seq + cli.new_tokens)
-    if ref is not None:
-        ref.eval()
+    greedy = lambda n: SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
 
     def run_ours(n):
-        sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
-        return [r.output_ids for r in engine.generate(prompts.tolist(), sp)]
+        return [r.output_ids for r in engine.generate(prompts.tolist(), greedy(n))]
 
     def run_ref(n):
         with torch.no_grad(), torch.autocast(device.type, dtype=ref.dtype, enabled=ref.dtype != torch.float32):
@@ -168,49 +190,25 @@ def bench_decode(ours, ref, args, device, versions):
                                min_new_tokens=n, do_sample=False, pad_token_id=0)
         return out[:, cli.seq:].tolist()
 
-    n = cli.batch * cli.new_tokens
     print(f"greedy decode, {cli.model}, batch {cli.batch}, prompt {cli.seq}, {cli.new_tokens} new tokens, "
           f"{cli.dtype}, {versions}", flush=True)
     times, outputs = {}, {}
     sides = (("nano-dsv4-rl", run_ours),) + (() if cli.no_peer else (("transformers", run_ref),))
     for name, fn in sides:
-        t0 = time.perf_counter()
-        fn(min(cli.new_tokens, 8))  # warm-up (and the engine's compile and CUDA graph capture)
-        sync(device)
-        t1 = time.perf_counter()
-        outputs[name] = fn(cli.new_tokens)
-        sync(device)
-        times[name] = t = time.perf_counter() - t1
-        print(f"  {name:14s} {n / t:10.0f} tokens/s   ({t:.2f} s, {t / cli.new_tokens * 1e3:.2f} ms/step; "
-              f"warm-up {t1 - t0:.0f} s)", flush=True)
+        warm = timed(lambda: fn(min(cli.new_tokens, 8)), device)  # and the engine's compile and CUDA graph capture
+        times[name] = t = timed(lambda: outputs.update({name: fn(cli.new_tokens)}), device)
+        print(f"  {name:14s} {cli.batch * cli.new_tokens / t:10.0f} tokens/s   ({t:.2f} s, "
+              f"{t / cli.new_tokens * 1e3:.2f} ms/step; warm-up {warm:.0f} s)", flush=True)
     same = sum(a == b for a, b in zip(outputs["nano-dsv4-rl"], outputs.get("transformers", [])))
     # the model's step alone (on a GPU one CUDA graph replay), without sampling and scheduling on the host: at the
     # prompts' end and at the run's mean context (the caches still hold the run's sequences), where the floor is taken
-    slots = torch.arange(cli.batch, device=device)
-    t_model = []
+    slots, t_model = torch.arange(cli.batch, device=device), []
     for at in (cli.seq, cli.seq + cli.new_tokens // 2):
         pos = torch.full((cli.batch,), at, device=device)
         engine.decode(slots, prompts[:, 0], pos)
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            engine.decode(slots, prompts[:, 0], pos)
-        sync(device)
-        t_model.append((at, (time.perf_counter() - t0) / 20))
-    t0 = time.perf_counter()  # the prefill of the batch's prompts and its first token, part of the rest
-    run_ours(1)
-    sync(device)
-    t_prefill = time.perf_counter() - t0
-    # the floor of one step at the mean context length. The experts it reads: those the batch's tokens pick in one
-    # eager forward (at position 0; hooks do not run inside the compiled layers); uniform routing would pick
-    # E (1 - (1 - K / E)^B) of a layer's E experts
-    picked = {}
-    keep = lambda i: lambda gate, inputs, out: picked.setdefault(i, set()).update(out[1].unique().tolist())
-    hooks = [layer.ffn.gate.register_forward_hook(keep(i)) for i, layer in ours.layers.items()]
-    with torch.no_grad(), torch.compiler.set_stance("force_eager"), ours.numerics():
-        ours(prompts[:, :1])
-    for h in hooks:
-        h.remove()
+        t_model.append((at, timed(lambda: engine.decode(slots, prompts[:, 0], pos), device, 20)))
+    t_prefill = timed(lambda: run_ours(1), device)  # the prefill of the batch's prompts and its first token
+    picked = experts_picked(ours, prompts)  # uniform routing would pick E (1 - (1 - K / E)^B) of a layer's E
     E, K, B = args.n_routed_experts, args.num_experts_per_tok, cli.batch
     is_read = lambda n: ".experts." not in n or int(n.split(".")[4]) in picked[n.split(".")[1]]  # layers.L.ffn.experts.E
     w_bytes = sum(p.numel() * p.element_size() for n, p in ours.named_parameters()
@@ -220,14 +218,8 @@ def bench_decode(ours, ref, args, device, versions):
              + (ctx / 4 * args.index_head_dim / args.head_dim if r == 4 else 0)  # the indexer reads every key
              for r in args.compress_ratios[:args.num_hidden_layers]) * kv_el * B
     buf = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(buf)
-    dst.copy_(buf)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(buf)
-    sync(device)
-    bw = 2 * 10 * buf.numel() / (time.perf_counter() - t0)  # read + write
+    dst = buf.clone()  # allocated and written once before the timing
+    bw = 2 * buf.numel() / timed(lambda: dst.copy_(buf), device, 10)  # read + write
     floor = (w_bytes + kv) / bw
     if not cli.no_peer:
         print(f"  ratio ours / transformers: {times['transformers'] / times['nano-dsv4-rl']:.2f}x; "
@@ -237,46 +229,26 @@ def bench_decode(ours, ref, args, device, versions):
           f"(the mean context); the rest of a step (sampling, scheduling): "
           f"{(times['nano-dsv4-rl'] / cli.new_tokens - t1m) * 1e3:.2f} ms, of which the prefill and first token "
           f"({t_prefill * 1e3:.0f} ms) spread over the steps {t_prefill / cli.new_tokens * 1e3:.2f} ms")
-    if cli.profile:  # the model's step alone at the mean context, as timed above (on a GPU the graph's kernels)
-        from torch.profiler import ProfilerActivity, profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            for _ in range(4):
-                engine.decode(slots, prompts[:, 0], pos)
-            sync(device)
-        print_profile(prof, device, (time.perf_counter() - t0) / 4, per=4)
-        if cli.trace:  # bench/trace_summary.py TRACE --per=4: a step's kernels
-            prof.export_chrome_trace(cli.trace)
-        # the engine's own loop, mid-generation: 8 steps of decode, sampling and the host's bookkeeping, to see where
-        # the rest of a step goes (the device idle between steps, the host's ops)
-        sp = SamplingParams(temperature=0.0, max_new_tokens=cli.new_tokens, ignore_eos=True)
-        reqs = [engine.submit(p, sp, f"loop{i}") for i, p in enumerate(prompts.tolist())]
-        for _ in range(4):
-            engine.step()
-        sync(device)
-        with profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            for _ in range(8):
-                engine.step()
-            sync(device)
+    if cli.profile:  # the step alone at the mean context, as timed above (bench/trace_summary.py TRACE --per=4)
+        profiled(lambda: engine.decode(slots, prompts[:, 0], pos), device, 4, cli.trace)
+        # the engine's own loop mid-generation (decode, sampling, the host's bookkeeping): where the rest goes
+        reqs = [engine.submit(p, greedy(cli.new_tokens), f"loop{i}") for i, p in enumerate(prompts.tolist())]
+        timed(engine.step, device, 4)  # into the generation
         print("  the engine's loop, 8 steps mid-generation:")
-        print_profile(prof, device, (time.perf_counter() - t0) / 8, per=8)
+        profiled(engine.step, device, 8, cli.trace.replace(".json", "") + ".loop.json" if cli.trace else "")
         while not all(r.done.is_set() for r in reqs):
             engine.step()
-        if cli.trace:
-            prof.export_chrome_trace(cli.trace.replace(".json", "") + ".loop.json")
     print(f"  experts picked a layer: {sum(map(len, picked.values())) / len(picked):.1f} of {E} (uniform routing: "
-          f"{E * (1 - (1 - K / E) ** B):.1f})")
-    print(f"  floor: {w_bytes / 1e9:.2f} GB weights + {kv / 1e9:.3f} GB KV per step at {bw / 1e12:.2f} TB/s copy "
-          f"bandwidth = {floor * 1e3:.2f} ms/step; ours {times['nano-dsv4-rl'] / cli.new_tokens / floor:.1f}x the floor")
+          f"{E * (1 - (1 - K / E) ** B):.1f}); by layer: {[len(s) for s in picked.values()]}")
+    print(f"  floor: {w_bytes / 1e9:.2f} GB weights ({w_bytes} bytes) + {kv / 1e9:.3f} GB KV per step at "
+          f"{bw / 1e12:.2f} TB/s copy bandwidth = {floor * 1e3:.2f} ms/step; "
+          f"ours {times['nano-dsv4-rl'] / cli.new_tokens / floor:.1f}x the floor")
 
 
 def bench_mismatch(ours, args, device, versions):
     """Trainer vs engine on this device: sample with the engine (temperature 1, its logprobs), re-score the same
-    tokens with the training forward, both in --dtype with the same kernels. The alignment tool's core figure
-    (compare_logprobs.py has the full report), on any device. The model: compare_logprobs.wide_init_ (matrices
-    N(0, 1/fan_in), head x4), as the 0.02 init's near-uniform logits would hide every difference."""
+    tokens with the training forward, both in --dtype with the same kernels: the alignment tool's core figure
+    (compare_logprobs.py has the full report), on any device, for a compare_logprobs.wide_init_ model."""
     from engine import Engine, SamplingParams
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, args.vocab_size, (int(n),), generator=g).tolist()
@@ -301,41 +273,35 @@ def bench_mismatch(ours, args, device, versions):
           f"(mean sampled logprob {sum(sum(r.output_logprobs) for r in reqs) / d.numel():.2f}); engine {t_engine:.1f} s")
 
 
-def peer_recv(port, n, chunk, gpu, backend):
-    """The receiving end of broadcast_peer (a spawned process): the same broadcasts, into one chunk of memory."""
+def broadcasts(rank, port, n, chunk, device, backend):
+    """One end of broadcast_peer: a warm-up (it makes the connection), then the timed broadcasts. -> seconds."""
     from parallel import init_weight_update_group
-    device = torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
-    pg = init_weight_update_group("127.0.0.1", port, 1, 2, "peer", backend, 600)
-    buf = torch.empty(chunk, dtype=torch.uint8, device=device)
-    for i in [0] + list(range(0, n, chunk)):  # a warm-up, then the timed ones
-        torch.distributed.broadcast(buf[:min(chunk, n - i)], src=0, group=pg)
-    sync(device)
+    pg = init_weight_update_group("127.0.0.1", port, rank, 2, "peer", backend, 600)
+    buf = torch.ones(chunk, dtype=torch.uint8, device=device)
+    torch.distributed.broadcast(buf, src=0, group=pg)
+
+    def all_bytes():
+        for i in range(0, n, chunk):
+            torch.distributed.broadcast(buf[:min(chunk, n - i)], src=0, group=pg)
+    t = timed(all_bytes, device)
     torch.distributed.destroy_process_group(pg)
+    return t
 
 
 def broadcast_peer(n, chunk, device, gpu):
-    """The distributed rows' peer: n bytes as plain broadcasts of at most `chunk` bytes (one per bucket) from this
-    process to one other, on GPU `gpu` (NCCL) or the CPU (gloo): what the group moves, without HTTP, server and
-    names. -> seconds."""
+    """The distributed rows' peer, what the group moves without HTTP, server and names: n bytes as broadcasts of at
+    most `chunk` bytes (one per bucket) to a spawned process, on GPU `gpu` (NCCL) or the CPU (gloo). -> seconds."""
     import socket
-    from parallel import init_weight_update_group
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     backend = "nccl" if device.type == "cuda" else "gloo"
-    peer = torch.multiprocessing.get_context("spawn").Process(target=peer_recv, args=(port, n, chunk, gpu, backend))
+    theirs = torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
+    peer = torch.multiprocessing.get_context("spawn").Process(target=broadcasts,
+                                                              args=(1, port, n, chunk, theirs, backend))
     peer.start()
-    pg = init_weight_update_group("127.0.0.1", port, 0, 2, "peer", backend, 600)
-    buf = torch.ones(chunk, dtype=torch.uint8, device=device)
-    torch.distributed.broadcast(buf, src=0, group=pg)  # warm-up: the connection is made on the first one
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(0, n, chunk):
-        torch.distributed.broadcast(buf[:min(chunk, n - i)], src=0, group=pg)
-    sync(device)
-    t = time.perf_counter() - t0
+    t = broadcasts(0, port, n, chunk, device, backend)
     peer.join()
-    torch.distributed.destroy_process_group(pg)
     return t
 
 
@@ -343,10 +309,8 @@ def bench_sync(args, dtype, device, versions):
     """Weight sync into a running embedded server (a subprocess), per transport and serving format: seconds for
     the whole sync call, as the trainer pays it. The server shares the trainer's device (on CUDA its GPU, which the
     tensor transport's IPC handles need); the distributed rows want a GPU of their own for it (NCCL refuses two
-    ranks on one GPU), so one GPU skips them. Peers for the same bytes: one file write, one memcpy (on CUDA host to
-    device), on CUDA one device-to-device copy, and for the distributed rows a plain broadcast to another process
-    (gloo on the CPU; NCCL to the server's GPU)."""
-    import subprocess, sys
+    ranks on one GPU), so one GPU skips them. The peers are the module docstring's."""
+    import subprocess
     import weight_sync as wsync
     from quant import quantize_tensor
     from rollout import RolloutClient
@@ -368,7 +332,7 @@ def bench_sync(args, dtype, device, versions):
             wsync.save_weights(model, grid, f"{d}/start", args, quant)  # the server starts from the trainer's weights
             for gpu, modes in plans:
                 env = dict(os.environ, **({} if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu)}))
-                proc = subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", f"{d}/start", "--port", "0",
+                proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "rollout.py"), "--serve", "--model", f"{d}/start", "--port", "0",
                                          "--dtype", cli.dtype, "--device", device.type, "--quant", quant,
                                          "--max-len", "256"], stdout=subprocess.PIPE, text=True, env=env)
                 ready = next(line for line in proc.stdout if "ready at" in line)
@@ -382,30 +346,28 @@ def bench_sync(args, dtype, device, versions):
                     print(f"  {rows[-1][0]:32s} {quant:8s} {st['seconds']:8.2f} s", flush=True)
                 proc.terminate()
                 proc.wait()
-        sync(device)
-        t0 = time.perf_counter()  # what the fp8 rows pay before any byte moves
-        nq = sum(q.nbytes for k, v in model.state_dict().items() for q in quantize_tensor(k, v, "fp8").values())
-        sync(device)
-        rows.append(("quantize only (quant.py)", "fp8", nq, time.perf_counter() - t0))
+        fp8 = []  # the bytes of the fp8 rows, and what they pay before any byte moves
+        t = timed(lambda: fp8.extend(q.nbytes for k, v in model.state_dict().items()
+                                     for q in quantize_tensor(k, v, "fp8").values()), device)
+        rows.append(("quantize only (quant.py)", "fp8", sum(fp8), t))
         n = rows[0][2]  # the model's bytes as the trainer holds them
         chunk = torch.ones(min(n, 512 << 20), dtype=torch.uint8)
-        sync(device)
-        t0 = time.perf_counter()
-        with open(f"{d}/plain", "wb") as f:  # no fsync, as the disk transport (safetensors) does not either
-            for i in range(0, n, len(chunk)):
-                f.write(memoryview(chunk.numpy())[:n - i])
-        rows.append(("file write", "-", n, time.perf_counter() - t0))
+
+        def write_file():  # no fsync, as the disk transport (safetensors) does not either
+            with open(f"{d}/plain", "wb") as f:
+                for i in range(0, n, len(chunk)):
+                    f.write(memoryview(chunk.numpy())[:n - i])
+        rows.append(("file write", "-", n, timed(write_file, device)))
         dst = torch.zeros_like(chunk, device=device)  # touched: no page faults in the timing
         peers = [("memcpy" if gpus == 0 else "host to device copy", chunk)]
         peers += [("device copy", torch.ones_like(dst))] if gpus else []  # what the tensor transport's server does
         for what, src in peers:
             dst.copy_(src)  # warm-up
-            sync(device)
-            t0 = time.perf_counter()
-            for i in range(0, n, len(chunk)):
-                dst[:n - i].copy_(src[:n - i])
-            sync(device)
-            rows.append((what, "-", n, time.perf_counter() - t0))
+
+            def copy_all(src=src):
+                for i in range(0, n, len(chunk)):
+                    dst[:n - i].copy_(src[:n - i])
+            rows.append((what, "-", n, timed(copy_all, device)))
         if gpus != 1:  # the peer of the distributed rows, in bucket-sized broadcasts
             rows.append((f"plain {'NCCL' if gpus else 'gloo'} broadcast", "-", n,
                          broadcast_peer(n, int(cli.bucket_mb * (1 << 20)), device, gpus - 1 if gpus else None)))
@@ -417,18 +379,55 @@ def bench_sync(args, dtype, device, versions):
         print(f"  {what:32s} {quant:8s} {nbytes / 1e9:9.3f} {t:8.2f} {nbytes / 1e9 / t:7.2f}")
 
 
+def bench_train(ours, ref, args, device, dtype, versions):
+    """Forward+backward of a next-token loss: tokens/s and MFU of both sides, and their ratio."""
+    ids = torch.randint(0, args.vocab_size, (cli.batch, cli.seq), device=device)
+    flops = train_flops(ours, args, cli.seq) * cli.batch
+    peak = matmul_rate(device, dtype)
+    print(f"forward+backward, {cli.model}, batch {cli.batch} x seq {cli.seq}, {cli.dtype}, {versions}")
+    print(f"  model FLOPs per step {flops / 1e12:.2f} T (6 x active params x tokens + attention); "
+          f"measured {cli.dtype} matmul rate {peak / 1e12:.0f} TFLOP/s", flush=True)
+    results, cuda = {}, device.type == "cuda"
+    # transformers feeds its fp32 mHC outputs to bf16 linears, which fails without autocast: in bf16 runs it is a
+    # mixed-precision peer, as it would be trained
+    amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    # the same mean next-token loss on both sides: ours is the trainer's last stage (parallel.head_loss with
+    # grpo.token_logprobs, compiled by --compile=layers/graphs as in training) on every position, the last one's dummy
+    # target dropped from the mean as the trainer masks (slicing the logits first would copy them in the backward)
+    next_token = lambda logits, mb: -grpo.token_logprobs(logits, mb)[:, :-1].mean()
+
+    def ours_loss(m, x):
+        with m.numerics():
+            return parallel.head_loss(m, parallel.stage_forward(m, None, x), {"tgt": x.roll(-1, 1)}, next_token)
+    ref_loss = lambda m, x: F.cross_entropy(m(x).logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
+    for name, model, loss_of in (("nano-dsv4-rl", ours, ours_loss), ("transformers", ref, ref_loss)):
+        base = torch.cuda.memory_allocated() if cuda else 0
+        torch.cuda.reset_peak_memory_stats() if cuda else None
+        with amp if name == "transformers" else contextlib.nullcontext():
+            t, host = time_train(model, ids, loss_of, cli.steps, cli.warmup, device)
+        results[name] = t
+        mem = f", {(torch.cuda.max_memory_allocated() - base) / 1e9:.1f} GB over its start" if cuda else ""
+        print(f"  {name:14s} {ids.numel() / t:10.0f} tokens/s   ({t * 1e3:.0f} ms/step)   MFU {flops / t / peak:.1%}   "
+              f"(host issued it in {host * 1e3:.0f} ms{mem})", flush=True)
+    print(f"  ratio ours / transformers: {results['transformers'] / results['nano-dsv4-rl']:.2f}x")
+    if cli.profile:
+        profiled(lambda: time_train(ours, ids, ours_loss, 1, 0, device), device, 1, cli.trace,
+                 record_shapes=bool(cli.trace), with_stack=bool(cli.trace))
+
+
 if __name__ == "__main__":
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cli.dtype)
     args = ModelArgs.from_json(cli.model)
     compile_policy.use_compile(cli.compile)
+    cpu = f"{os.cpu_count()} cores" if cli.what == "sync" else f"{torch.get_num_threads()} threads"
+    versions = f"{torch.cuda.get_device_name() if device.type == 'cuda' else f'CPU ({cpu})'}, torch {torch.__version__}"
     if cli.layers:
         n, args.num_hidden_layers = args.num_hidden_layers, cli.layers
         args.compress_ratios = args.compress_ratios[:cli.layers] + args.compress_ratios[n:]  # MTP's entries stay
         args.num_hash_layers = min(args.num_hash_layers, cli.layers)
     if cli.what == "sync":
-        dev = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
-        bench_sync(args, dtype, device, f"{dev}, torch {torch.__version__}")
+        bench_sync(args, dtype, device, versions)
         raise SystemExit
     args.num_nextn_predict_layers = 0  # transformers has no MTP; compare the trunk
     args.compress_ratios = args.compress_ratios[:args.num_hidden_layers]
@@ -439,8 +438,7 @@ if __name__ == "__main__":
     ours.set_kernels(cli.kernels == "fast" or (cli.kernels == "auto" and device.type == "cuda"))
     if cli.what == "mismatch":
         from compare_logprobs import wide_init_
-        dev = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-        bench_mismatch(wide_init_(ours), args, device, f"{dev}, torch {torch.__version__}")
+        bench_mismatch(wide_init_(ours), args, device, versions)
         raise SystemExit
     import transformers
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -448,50 +446,10 @@ if __name__ == "__main__":
     if not (cli.what == "decode" and cli.no_peer):  # the peer: a copy of ours, through a checkpoint on disk
         with tempfile.TemporaryDirectory() as d:
             save_pretrained(ours, d)
-            ref = transformers.DeepseekV4ForCausalLM.from_pretrained(d, dtype=dtype).to(device).train()
-    dev = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    versions = f"{dev}, torch {torch.__version__}, transformers {transformers.__version__}"
+            ref = transformers.DeepseekV4ForCausalLM.from_pretrained(d, dtype=dtype).to(device)
+        ref.train(cli.what == "train")
+    versions += f", transformers {transformers.__version__}"
     if cli.what == "decode":
         bench_decode(ours, ref, args, device, versions)
-        raise SystemExit
-
-    ids = torch.randint(0, args.vocab_size, (cli.batch, cli.seq), device=device)
-    n_tok = cli.batch * cli.seq
-    flops = train_flops(ours, args, cli.seq) * cli.batch
-    peak = matmul_rate(device, dtype)
-    print(f"forward+backward, {cli.model}, batch {cli.batch} x seq {cli.seq}, {cli.dtype}, {versions}")
-    print(f"  model FLOPs per step {flops / 1e12:.2f} T (6 x active params x tokens + attention); "
-          f"measured {cli.dtype} matmul rate {peak / 1e12:.0f} TFLOP/s", flush=True)
-    results = {}
-    # transformers keeps its mHC parameters in fp32 and feeds their fp32 output to bf16 linears, which fails
-    # without autocast; it gets autocast in bf16 runs (a mixed-precision peer, as it would be trained)
-    amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    # the loss: ours is the trainer's last stage (parallel.head_loss with grpo.token_logprobs, compiled by
-    # --compile=layers/graphs as in training), transformers' its usual cross-entropy; the same mean next-token loss
-    # (on every position, the last one's target a dummy, dropped from the mean: as the trainer masks; slicing the
-    # [B, T, vocab] logits first would cost a copy of them in the backward)
-    next_token = lambda logits, mb: -grpo.token_logprobs(logits, mb)[:, :-1].mean()
-
-    def ours_loss(m, x):
-        with m.numerics():
-            return parallel.head_loss(m, parallel.stage_forward(m, None, x), {"tgt": x.roll(-1, 1)}, next_token)
-    ref_loss = lambda m, x: F.cross_entropy(m(x).logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
-    for name, model, loss_of in (("nano-dsv4-rl", ours, ours_loss), ("transformers", ref, ref_loss)):
-        cuda = device.type == "cuda"
-        base = torch.cuda.memory_allocated() if cuda else 0
-        torch.cuda.reset_peak_memory_stats() if cuda else None
-        with amp if name == "transformers" else contextlib.nullcontext():
-            t, host = time_train(model, ids, loss_of, cli.steps, cli.warmup, device)
-        results[name] = t
-        mem = f", {(torch.cuda.max_memory_allocated() - base) / 1e9:.1f} GB over its start" if cuda else ""
-        print(f"  {name:14s} {n_tok / t:10.0f} tokens/s   ({t * 1e3:.0f} ms/step)   MFU {flops / t / peak:.1%}   "
-              f"(host issued it in {host * 1e3:.0f} ms{mem})", flush=True)
-    print(f"  ratio ours / transformers: {results['transformers'] / results['nano-dsv4-rl']:.2f}x")
-    if cli.profile:
-        from torch.profiler import ProfilerActivity, profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=acts, record_shapes=bool(cli.trace), with_stack=bool(cli.trace)) as prof:
-            wall = time_train(ours, ids, ours_loss, 1, 0, device)[0]
-        print_profile(prof, device, wall)
-        if cli.trace:
-            prof.export_chrome_trace(cli.trace)
+    else:
+        bench_train(ours, ref, args, device, dtype, versions)
