@@ -177,7 +177,9 @@ def load_problems(source, split="train", template=DAPO_TEMPLATE, limit=None):
 # evaluation: n samples per problem from the rollout servers, pass@k by the unbiased estimator
 
 def evaluate(client, tokenizer, problems, n_samples, sampling, seed=0, chat=True, desc="eval"):
-    """-> {"pass@1", "pass@2", ..., "mean_len", "truncation_rate", "n_problems", "per_problem": [...]}."""
+    """-> {"pass@1", "pass@2", ..., "mean_len", "truncation_rate", "format_rate", "n_problems", "per_problem": [...]}.
+    format_rate: the share of samples whose extracted answer is a plain integer, right or wrong (a base that cannot
+    write the answer line scores 0 however well it computes)."""
     from tasks import prompt_ids  # the same prompt formatting as training
     outs = client.generate([prompt_ids(tokenizer, p["prompt"], chat=chat) for p in problems], n_samples, sampling,
                            seed=seed, desc=desc)
@@ -190,8 +192,10 @@ def evaluate(client, tokenizer, problems, n_samples, sampling, seed=0, chat=True
         lens += [len(s["output_ids"]) for s in samples]
         trunc += sum(s["finish_reason"]["type"] == "length" for s in samples)
     res = {f"pass@{k}": v for k, v in pass_at_k_table([q["correct"] for q in per], n_samples).items()}
-    res.update(mean_len=sum(lens) / max(len(lens), 1), truncation_rate=trunc / max(len(lens), 1), n_problems=len(per),
-               per_problem=per)
+    answers = [a for q in per for a in q["answers"]]
+    res.update(mean_len=sum(lens) / max(len(lens), 1), truncation_rate=trunc / max(len(lens), 1),
+               format_rate=sum(a is not None and INT_RE.fullmatch(a.strip()) is not None for a in answers)
+               / max(len(answers), 1), n_problems=len(per), per_problem=per)
     return res
 
 

@@ -4,7 +4,19 @@ on the device or, with offload=True, in host memory, where the step runs on the 
 back. Offloading frees 12 bytes per parameter of device memory (config/mi355x.py offloads). parallel.train_step
 calls step() after the gradient reduce and the global clip.
 """
+import math
+
 import torch
+
+
+def lr_at(step, lr, warmup_steps=0, schedule="constant", max_steps=1, min_lr_ratio=0.1):
+    """The learning rate of a step: a linear warm-up over warmup_steps, then constant, or a linear or cosine decay
+    to min_lr_ratio * lr at max_steps."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    t = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    decay = {"constant": 1.0, "linear": 1 - t, "cosine": 0.5 * (1 + math.cos(math.pi * t))}[schedule]
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * decay)
 
 
 class AdamW:

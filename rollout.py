@@ -13,9 +13,13 @@ Only the standard library: requests run as blocking http.client calls in threads
 a semaphore), so there is no aiohttp/requests dependency.
 """
 import asyncio
+import atexit
 import hashlib
 import http.client
 import json
+import os
+import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -280,6 +284,47 @@ class RolloutClient:
         """Any other endpoint on every server, e.g. the distributed weight sync (/init_weights_update_group,
         /update_weights_from_distributed, /destroy_weights_update_group) that weight_sync.py drives."""
         return self._fanout("POST", path, body)
+
+
+class LocalClient:
+    """RolloutClient.generate over an in-process engine.Engine, with the servers' per-sample seeds: the same samples
+    the embedded server would draw from the same weights (train_sft.py's held-out evaluation)."""
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts, n, sampling, seed, desc="", prompt_keys=None):
+        from engine import SamplingParams
+        keys = prompt_keys or range(len(prompts))
+        params = [SamplingParams(temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
+                                 max_new_tokens=sampling["max_new_tokens"], seed=sample_seed(seed, k, j))
+                  for k in keys for j in range(n)]
+        reqs = self.engine.generate([p for p in prompts for _ in range(n)], params)
+        return [[{"output_ids": r.output_ids, "logprobs": r.output_logprobs, "finish_reason": r.finish_reason}
+                 for r in reqs[i * n:(i + 1) * n]] for i in range(len(prompts))]
+
+
+class EmbeddedServer:
+    """The embedded server (`python rollout.py --serve`) as a child process on a free local port, for a trainer
+    given no SGLang URLs. Killed when the trainer exits, a crash included; it also exits when the trainer is gone
+    (--parent-pid)."""
+    def __init__(self, model_dir, flags):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url, self.proc = f"http://127.0.0.1:{self.port}", None
+        self.cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--model", model_dir, "--port",
+                    str(self.port), "--parent-pid", str(os.getpid()), *flags]
+        atexit.register(lambda: self.proc is not None and self.proc.poll() is None and self.proc.kill())
+
+    def start(self, version):
+        """(Re)start it from the weights in model_dir, stamping `version` on its samples."""
+        print(f"starting the embedded rollout server: {' '.join(self.cmd)} --weight-version {version}", flush=True)
+        self.proc = subprocess.Popen(self.cmd + ["--weight-version", version], start_new_session=True)  # a Ctrl-C
+        return self  # reaches the trainer only
+
+    def exit_code(self):
+        """None while it runs."""
+        return self.proc.poll()
 
 
 # -----------------------------------------------------------------------------

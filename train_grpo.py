@@ -22,13 +22,11 @@ Where this differs from the GRPO paper (Shao et al. 2024), each a common choice 
   - one optimizer step per rollout by default (strictly on-policy: ratio 1 at the step), several with n_minibatches;
   - the reward is 0/1 (eval_aime.math_reward, the same grader as evaluation), optionally with DAPO's overlong penalty.
 """
-import atexit
 import json
 import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -46,8 +44,8 @@ import grpo  # its losses are looked up there: compile='layers' swaps them for c
 from grpo import group_advantages, keep_group, make_microbatches
 from checkpoint import load_weights
 from model_dsv4 import ModelArgs, length_multiple
-from optimizer import AdamW
-from rollout import RolloutClient
+from optimizer import AdamW, lr_at
+from rollout import EmbeddedServer, RolloutClient
 from tasks import format_warmup, load_tokenizer, prompt_ids, toy_problems
 
 # -----------------------------------------------------------------------------
@@ -61,7 +59,7 @@ init_from = 'scratch'  # 'scratch' (model_config) or a checkpoint directory with
 model_config = 'config/models/tiny.json'
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
 kernels = 'auto'  # 'fast' | 'reference' (dsv4_kernels/fast.py: window attention by blocks, grouped GEMM experts) | 'auto': fast on CUDA
-compile = 'off'  # torch.compile 'hot' paths (Sinkhorn, norms, RoPE) | whole 'layers' (dsv4_kernels/fast.py); the server too
+compile = 'off'  # torch.compile 'hot' paths (Sinkhorn, norms, RoPE) | whole 'layers' (compile_policy.py); the server too
 invariant = False  # trainer and embedded server path-invariant (model.set_invariant): rollout logprobs equal the trainer's bit for bit; slow
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the toy task, else 'deepseek-v4'
 resume = False  # continue from the newest complete checkpoint in out_dir
@@ -127,30 +125,27 @@ keep_checkpoints = 2
 wandb_log = False
 wandb_project = 'nano-dsv4-rl'
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
-try:
+try:  # bad config is a usage error: say it and exit 2, before anything is built
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
-except ValueError as e:  # a bad key or type is a usage error: say it and exit 2
+    for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto'), loss_agg=('seq_mean_token_mean',
+                        'token_mean'), weight_sync=('disk', 'distributed', 'tensor'), rollout_quant=('none', 'fp8',
+                        'fp8_fp4'), lr_schedule=('constant', 'cosine'), kernels=('auto', 'fast', 'reference'),
+                        compile=('off', 'hot', 'layers')).items():
+        if globals()[_k] not in _ok:
+            raise ValueError(f"{_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}")
+    for _k, _least in dict(n_prompts=1, n_samples=1, max_prompt_len=1, max_new_tokens=1, n_microbatches=1,
+                           n_minibatches=1, rollout_max_batch=1, pp_size=1, ep_size=1, eval_n_samples=1,
+                           max_sampling_rounds=1, max_steps=0, format_warmup_steps=0, warmup_steps=0, eval_interval=0,
+                           checkpoint_interval=0, eval_limit=0, watchdog_s=0, overlong_buffer=0,
+                           weight_sync_bucket_mb=1e-6).items():
+        if globals()[_k] < _least:  # a zero batch divides by zero, a zero-row server never schedules
+            raise ValueError(f"{_k}={globals()[_k]!r}: must be {'positive' if _least else 'at least 0'}")
+    if invariant and compile != 'off':  # a Python dispatch mode per op; the compiled graphs would bypass it
+        raise ValueError("invariant=True runs eager: set compile='off'")
+    if compile == 'layers' and not dry_run and not torch.cuda.is_available():  # inductor's C++ decode: no CPU build
+        raise ValueError("compile='layers' needs a GPU; on the CPU use compile='off' or 'hot'")
+except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto'), weight_sync=('disk', 'distributed', 'tensor'),
-                    rollout_quant=('none', 'fp8', 'fp8_fp4'), lr_schedule=('constant', 'cosine'),
-                    loss_agg=('seq_mean_token_mean', 'token_mean'), kernels=('auto', 'fast', 'reference'),
-                    compile=('off', 'hot', 'layers')).items():
-    if globals()[_k] not in _ok:  # a value the run would refuse later (or misread): a usage error now
-        print(f"error: {_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}", file=sys.stderr)
-        sys.exit(2)
-for _k, _least in dict(n_prompts=1, n_samples=1, max_prompt_len=1, max_new_tokens=1, n_microbatches=1, n_minibatches=1,
-                      rollout_max_batch=1, pp_size=1, ep_size=1, eval_n_samples=1, max_sampling_rounds=1, max_steps=0,
-                      format_warmup_steps=0, warmup_steps=0, eval_interval=0, checkpoint_interval=0, eval_limit=0,
-                      watchdog_s=0, overlong_buffer=0, weight_sync_bucket_mb=1e-6).items():
-    if globals()[_k] < _least:  # a zero batch divides by zero, a zero-row server never schedules: refuse it now
-        print(f"error: {_k}={globals()[_k]!r}: must be {'positive' if _least else 'at least 0'}", file=sys.stderr)
-        sys.exit(2)
-if invariant and compile != 'off':  # a Python dispatch mode per op; the compiled graphs would bypass it
-    print("error: invariant=True runs eager: set compile='off'", file=sys.stderr)
-    sys.exit(2)
-if compile == 'layers' and not dry_run and not torch.cuda.is_available():  # inductor's C++ decode step: no CPU build
-    print("error: compile='layers' needs a GPU; on the CPU use compile='off' or 'hot'", file=sys.stderr)
     sys.exit(2)
 config = {k: globals()[k] for k in config_keys}
 t_start = time.time()
@@ -203,15 +198,6 @@ n_params = sum(p.numel() for p in model.parameters())
 print0(f"rank 0 holds {n_params / 1e6:.1f}M parameters, trains {sum(p.numel() for p in opt.params) / 1e6:.1f}M ({trainable})")
 
 
-def lr_at(step):
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if lr_schedule == 'cosine':
-        t = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-        return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
-    return lr
-
-
 # -----------------------------------------------------------------------------
 # tokenizer, data
 tok = load_tokenizer(tokenizer or (model_dir if model_dir and os.path.exists(os.path.join(model_dir, 'tokenizer.json'))
@@ -231,27 +217,13 @@ encode = lambda p: prompt_ids(tok, p['prompt'])[-max_prompt_len:]
 sync_dir = os.path.join(out_dir, 'weights')
 os.makedirs(out_dir, exist_ok=True)
 server, external, weight_version = None, bool(rollout_url), 0
-
-
-def start_server(version):
-    """The embedded server, from the weights last saved to sync_dir, stamping `version` on its samples."""
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'rollout.py'), '--serve',
-           '--model', sync_dir, '--port', str(port), '--dtype', dtype, '--max-batch', str(rollout_max_batch),
-           '--max-len', str(max_prompt_len + max_new_tokens), '--parent-pid', str(os.getpid()), '--quant', rollout_quant,
-           '--weight-version', version, '--compile', compile] + (['--invariant'] if invariant else [])
-    print0(f"starting the embedded rollout server: {' '.join(cmd)}")
-    return subprocess.Popen(cmd, start_new_session=True)  # its own session: a Ctrl-C reaches the trainer only
-
-
 if not external:
     wsync.save_weights(model, grid, sync_dir, args, quant=rollout_quant)  # the server starts from the trainer's weights
     if master:
-        with socket.socket() as s:
-            s.bind(('127.0.0.1', 0))
-            port = s.getsockname()[1]
-        server = start_server(str(weight_version))
-        atexit.register(lambda: server.poll() is None and server.kill())  # the server of the moment
-        rollout_url = f"http://127.0.0.1:{port}"
+        server = EmbeddedServer(sync_dir, ['--dtype', dtype, '--max-batch', str(rollout_max_batch), '--max-len',
+                                           str(max_prompt_len + max_new_tokens), '--quant', rollout_quant, '--compile',
+                                           compile] + (['--invariant'] if invariant else [])).start(str(weight_version))
+        rollout_url = server.url
     rollout_url = parallel.broadcast_object(rollout_url, 0, grid.world_group, 'rollout url')
 client = RolloutClient(rollout_url, api_key=rollout_api_key or None, timeout=rollout_timeout)
 
@@ -267,8 +239,8 @@ def servers_ready():
             print0(f"rollout servers ready: {rollout_url}")
             ready = True
         except RuntimeError:
-            if master and not external and server.poll() is not None:  # no point waiting for a dead one
-                raise SystemExit(f"error: the embedded rollout server exited with {server.returncode} before it was ready")
+            if master and not external and server.exit_code() is not None:  # no point waiting for a dead one
+                raise SystemExit(f"error: the embedded rollout server exited with {server.exit_code()} before it was ready")
             if time.time() > deadline:
                 raise
 
@@ -373,7 +345,7 @@ def sync_weights():
     """Push the trainer's weights to every rollout server that is up; the next rollouts carry the new version. A
     server that fails mid-sync is named and gets no rollouts until a sync completes there: the others are synced
     again at once, and each later sync retries it (weight_sync.py)."""
-    global weight_version, server
+    global weight_version
     servers_ready()
     weight_version += 1
     for attempt in (1, 2):
@@ -383,9 +355,9 @@ def sync_weights():
                               timeout=dist_timeout, flatten=weight_sync_flatten)
         except wsync.SyncError as e:
             print0(f"weight sync, attempt {attempt}: {e}")
-            if master and server is not None and server.poll() is not None:  # ours died: start it again
-                print0(f"the embedded rollout server (pid {server.pid}) exited with {server.returncode}: restarting it")
-                server = start_server('restarted')  # older weights: it serves once a sync completes there
+            if master and server is not None and server.exit_code() is not None:  # ours died: start it again
+                print0(f"the embedded rollout server exited with {server.exit_code()}: restarting it")
+                server.start('restarted')  # older weights: it serves once a sync completes there
                 client.wait_ready(timeout=600)
 
 
@@ -413,8 +385,8 @@ if data == 'toy' and format_warmup_steps and start_step == 0:
                   loss_agg=loss_agg, pad_to=pad_to, grad_clip=grad_clip, recompute=recompute)
     opt = new_optimizer()  # GRPO starts with fresh moments
     sync_weights()
-elif resume_dir or model_dir or external:
-    sync_weights()  # the servers may hold other weights than the ones we start from
+elif external:
+    sync_weights()  # the servers may hold other weights than the ones we start from (the embedded one starts from ours)
 
 # -----------------------------------------------------------------------------
 # the loop
@@ -436,7 +408,7 @@ for step in range(start_step, max_steps):
                                      op=dist.ReduceOp.MIN))
     groups = groups[:n_keep]  # every DP rank trains on the same number of samples
     t_roll = time.time() - t0
-    rec = {'step': step, 'lr': lr_at(step), 'weight_version': weight_version}
+    rec = {'step': step, 'lr': lr_at(step, lr, warmup_steps, lr_schedule, max_steps, min_lr_ratio), 'weight_version': weight_version}
     rec.update(grpo.rollout_metrics(rstats, weight_version, grid))
     t1, bad = time.time(), None
     if n_keep == 0:

@@ -5,14 +5,16 @@ FAULT is none, or KIND@STEP[:RANK] (the fault fires in GRPO step STEP, on rank R
     sigkill      kill -9 of this rank in its first forward of the step
     hang         this rank sleeps for an hour in that forward (for the watchdog)
     nan          the loss of micro-batch 1 is NaN in that step;  nan_from: in that step and every later one
-    kill_server_gen   kill -9 of the embedded rollout server after 3 samples of the step's rollout
+    kill_server_gen   kill -9 of the embedded rollout server as the step's rollout sends its 3rd request (the
+                      first two in flight: every request of that attempt fails)
     kill_server_sync  kill -9 of the embedded rollout server at the second bucket of the sync after the step
-Format warm-up off: train_step call i is GRPO step i."""
+Format warm-up off: train_step call i is GRPO step i (a run from --init_from also syncs once before step 0)."""
 import os
 import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -26,7 +28,8 @@ fault, argv = sys.argv[1], sys.argv[2:]
 kind, _, where = fault.partition("@")
 step, _, rank = where.partition(":")
 step, mine = int(step or 0), int(rank or 0) == int(os.environ.get("RANK", 0))
-state = {"train_steps": -1, "syncs": 0, "samples": 0, "buckets": 0}
+state = {"train_steps": -1, "requests": 0, "buckets": 0}
+lock = threading.Lock()  # the client sends a step's requests from several threads
 servers = []
 
 
@@ -44,9 +47,9 @@ def kill_server():
 
 
 subprocess.Popen = Popen
-train_step, stage_forward, generate, parse_sample = (parallel.train_step, parallel.stage_forward,
-                                                     rollout.RolloutClient.generate, rollout.parse_sample)
-sync, post = weight_sync.sync, weight_sync.post
+train_step, stage_forward, generate, http = (parallel.train_step, parallel.stage_forward,
+                                             rollout.RolloutClient.generate, rollout.RolloutClient._http)
+post = weight_sync.post
 
 
 def faulty_train_step(model, grid, opt, mbs, loss_fn, *a, **k):
@@ -77,28 +80,25 @@ def faulty_generate(self, prompts, n, sampling, seed, desc="rollout", **k):
     return generate(self, prompts, n, sampling, seed, desc=desc, **k)
 
 
-def faulty_parse_sample(url, out):
-    state["samples"] += state.get("in_step", False)
-    if kind == "kill_server_gen" and state["samples"] == 3 and servers:
-        kill_server()
-    return parse_sample(url, out)
-
-
-def faulty_sync(*a, **k):
-    state["syncs"] += 1
-    return sync(*a, **k)
+def faulty_http(self, url, method, path, *a, **k):
+    if kind == "kill_server_gen" and path == "/generate" and state.get("in_step"):
+        with lock:
+            state["requests"] += 1
+            if state["requests"] == 3 and servers:
+                kill_server()
+    return http(self, url, method, path, *a, **k)
 
 
 def faulty_post(client, urls, path, *a):
-    if kind == "kill_server_sync" and state["syncs"] == step + 1 and path == "/update_weights_from_distributed":
+    if kind == "kill_server_sync" and state["train_steps"] == step and path == "/update_weights_from_distributed":
         state["buckets"] += 1
         if state["buckets"] == 2 and servers:
             kill_server()
     return post(client, urls, path, *a)
 
 
-parallel.train_step, rollout.RolloutClient.generate, rollout.parse_sample = (faulty_train_step, faulty_generate,
-                                                                            faulty_parse_sample)
-weight_sync.sync, weight_sync.post = faulty_sync, faulty_post
+parallel.train_step, rollout.RolloutClient.generate, rollout.RolloutClient._http = (faulty_train_step, faulty_generate,
+                                                                                    faulty_http)
+weight_sync.post = faulty_post
 sys.argv = [os.path.join(ROOT, "train_grpo.py"), *argv]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -57,14 +57,21 @@ def test_batched_equals_one_by_one_and_prefix_sharing():
 
 
 def test_continuous_batching_admits_mid_flight():
+    """2 slots for 4 requests: request 0 stops after 3 tokens, 1 runs for 12, and 2, then the late one, take the
+    slot that frees while 1 still runs."""
     model = model_of(TINY)
-    engine = Engine(model, max_batch=2, max_len=128)  # 2 slots for 3 requests: one waits for a free slot
-    sp = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
-    reqs = [engine.submit(p, sp, str(i)) for i, p in enumerate([[1, 2, 3], [4] * 9, [7, 8]])]
+    engine = Engine(model, max_batch=2, max_len=128)
+    sp = lambda n: SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+    reqs = [engine.submit(p, sp(n), str(i)) for i, (p, n) in enumerate([([1, 2, 3], 3), ([4] * 9, 12), ([7, 8], 3)])]
     engine.step()
-    late = engine.submit([9, 9, 9, 9, 9], sp, "late")
+    late = engine.submit([9, 9, 9, 9, 9], sp(6), "late")
+    beside = set()  # the requests that held a slot while request 1 was running
     while not all(r.done.is_set() for r in reqs + [late]):
         engine.step()
+        if not reqs[1].done.is_set():
+            assert engine.running.get(reqs[1].slot) is reqs[1]
+            beside |= {r.rid for r in engine.running.values() if r is not reqs[1]}
+    assert {"2", "late"} <= beside and late.slot is not None, beside
     for r in reqs + [late]:  # greedy: every token is the argmax of the full forward
         ids = torch.tensor(r.input_ids + r.output_ids)[None]
         with torch.no_grad():
@@ -179,12 +186,39 @@ def test_bf16_engine_close_to_bf16_forward():
 
 
 def test_decode_bench_counts_the_experts_a_step_reads():
-    """bench.py --what=decode takes the floor's expert bytes from the experts the batch's tokens pick, found by an
-    eager forward with a hook on each router: 4 tokens of 4 picks each pick 4 to 16 of tiny's 16 experts a layer."""
-    run = subprocess.run([sys.executable, "bench.py", "--what=decode", "--batch=4", "--seq=8", "--new_tokens=4",
-                          "--no_peer"], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         capture_output=True, text=True, timeout=600)
+    """bench/bench.py --what=decode takes the floor's expert bytes from the experts the batch's tokens pick. Its model and
+    prompts, rebuilt here (tiny's trunk drawn by init_weights, torch.manual_seed(0), then the prompts), routed with
+    the gates' own expert ids: the distinct experts of each layer and the weight bytes they imply, exactly."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    B, T = 4, 8
+    run = subprocess.run([sys.executable, "bench/bench.py", "--what=decode", f"--batch={B}", f"--seq={T}", "--new_tokens=4",
+                          "--no_peer"], cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    picked = re.search(r"experts picked a layer: ([\d.]+) of 16 \(uniform routing: ([\d.]+)\)", run.stdout)
-    assert picked and 4 <= float(picked[1]) <= 16 and float(picked[2]) == 10.9, run.stdout
-    assert re.search(r"= [\d.]+ ms/step; ours [\d.]+x the floor", run.stdout), run.stdout
+    from model_dsv4 import ModelArgs
+    args = ModelArgs.from_json(os.path.join(root, "config/models/tiny.json"))
+    args.num_nextn_predict_layers, args.compress_ratios = 0, args.compress_ratios[:args.num_hidden_layers]
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(copy.deepcopy(args), dtype=torch.float32)
+    model.to_empty(device="cpu").init_weights()
+    prompts = torch.randint(2, args.vocab_size, (B, T))
+    ids = {}  # layer -> the expert ids its gate returns for the batch's first tokens
+    hooks = [layer.ffn.gate.register_forward_hook(lambda gate, inputs, out, i=i: ids.__setitem__(i, out[1]))
+             for i, layer in model.layers.items()]
+    with torch.no_grad():
+        model(prompts[:, :1])
+    for h in hooks:
+        h.remove()
+    counts = [len(set(ids[i].flatten().tolist())) for i in model.layers]
+    size = lambda prefix: sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith(prefix))
+    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if not n.startswith(("embed.", "mtp.")) and ".experts." not in n)
+    weights = dense + sum(c * size(f"layers.{i}.ffn.experts.0.") for i, c in zip(model.layers, counts))
+    picked = re.search(r"experts picked a layer: ([\d.]+) of 16 \(uniform routing: ([\d.]+)\); by layer: \[([\d, ]+)\]",
+                       run.stdout)
+    assert picked, run.stdout
+    assert [int(c) for c in picked[3].split(", ")] == counts, (run.stdout, counts)
+    assert picked[1] == f"{sum(counts) / len(counts):.1f}" and picked[2] == "10.9"
+    floor = re.search(r"floor: [\d.]+ GB weights \((\d+) bytes\) \+ .* = [\d.]+ ms/step; ours [\d.]+x the floor",
+                      run.stdout)
+    assert floor and int(floor[1]) == weights, (run.stdout, weights)

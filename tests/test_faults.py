@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from checkpoint import load_state_dict
+from grpo_base import ARGS as SPREAD_ARGS, assert_policy_gradient, base_checkpoint
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 BASE = ["--n_prompts=4", "--n_samples=4", "--max_new_tokens=8", "--format_warmup_steps=0", "--overlong_buffer=7",
@@ -37,56 +38,64 @@ def ckpts(out):
 
 
 def same_run(out, reference):
-    """Steps, rewards, losses and the last checkpoint's weights equal the uninterrupted run's."""
+    """Steps, rewards, losses and the last checkpoint's weights equal the uninterrupted run's, on steps with reward
+    spread (the `spread` runs: grpo_base)."""
     (ref, ref_out), recs = reference, metrics(out)
     assert [r["step"] for r in recs] == [r["step"] for r in ref] and not any("skipped" in r for r in recs)
     assert all(r["stale_samples"] == 0 for r in recs)  # every trained sample came from the current weights
+    assert_policy_gradient(ref)
     for a, b in zip(recs, ref):
-        for k in ("reward_mean", "response_len_mean", "loss", "grad_norm"):
+        for k in ("reward_mean", "reward_std", "response_len_mean", "entropy", "grad_norm"):
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-8), (a["step"], k)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)  # -mean advantage: 0 but for rounding
     wa, wb = load_state_dict(os.path.join(out, "ckpt_000001")), load_state_dict(os.path.join(ref_out, "ckpt_000001"))
     diff = max((wa[k] - wb[k]).abs().max().item() for k in wb)
     secs = lambda rs: [(round(r["t_rollout"], 1), round(r["t_sync"], 1)) for r in rs]
     print(f"{out.name}: max |weight - uninterrupted| {diff:.1e}; (rollout s, sync s) per step {secs(recs)}, "
           f"uninterrupted {secs(ref)}")
-    # 2e-5, as tests/test_grpo.py's resume test and for the same reason: a restarted generation batches its
-    # requests unlike the uninterrupted one, engine logprobs move in the 7th digit, and AdamW turns that into a few
-    # 1e-6 in weights whose gradient is near zero (8.2e-6 seen after a mid-generation kill, 0 when they batch alike);
-    # lost data or optimizer state would move them by about one update (lr 3e-3)
+    # 2e-5, as tests/test_grpo.py's resume test: a restarted generation batches its requests unlike the
+    # uninterrupted one and engine logprobs move in the 7th digit, but without TIS the loss does not read them (0
+    # measured after each fault); lost data or optimizer state would move weights by about one update (lr 3e-4)
     assert diff <= 2e-5
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def spread(tmp_path_factory):
+    """The arguments of runs compared with `reference`: from grpo_base's checkpoint, with reward spread."""
+    return [f"--init_from={base_checkpoint(tmp_path_factory)}", *SPREAD_ARGS]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, spread):
     out = tmp_path_factory.mktemp("reference")
-    code, log, _ = train(out, "none", "--checkpoint_interval=1", "--keep_checkpoints=1")
+    code, log, _ = train(out, "none", "--checkpoint_interval=1", "--keep_checkpoints=1", *spread)
     assert code == 0, log[-3000:]
     assert ckpts(out) == ["ckpt_000001"]  # keep_checkpoints=1: the older one went
     return metrics(out), out
 
 
-def test_sigterm_checkpoints_and_resume_equals_uninterrupted(reference, tmp_path):
-    code, log, _ = train(tmp_path, "sigterm@0", "--checkpoint_interval=0")  # no checkpoint but the preemption's
+def test_sigterm_checkpoints_and_resume_equals_uninterrupted(reference, spread, tmp_path):
+    code, log, _ = train(tmp_path, "sigterm@0", "--checkpoint_interval=0", *spread)  # only the preemption's checkpoint
     assert code == 143 and "stopped by SIGTERM after step 0" in log, log[-3000:]
     assert ckpts(tmp_path) == ["ckpt_000000"]
     # a crash while writing leaves ckpt_N.tmp; a directory without meta.json is no checkpoint either
     for junk in ("ckpt_000005.tmp", "ckpt_000009"):
         os.makedirs(tmp_path / junk)
-    code, log, _ = train(tmp_path, "none", "--resume=True", "--checkpoint_interval=1")
+    code, log, _ = train(tmp_path, "none", "--resume=True", "--checkpoint_interval=1", *spread)
     assert code == 0 and "ignoring incomplete ['ckpt_000005.tmp', 'ckpt_000009']" in log, log[-3000:]
     assert "resumed from" in log and "ckpt_000000 at step 1" in log
     assert "ckpt_000005.tmp" not in ckpts(tmp_path)  # cleaned up by the next save
     same_run(tmp_path, reference)
 
 
-@pytest.mark.parametrize("fault,args", [
-    ("kill_server_gen@1", []),
-    ("kill_server_sync@0", ["--weight_sync=distributed", "--weight_sync_bucket_mb=8", "--dist_timeout=30"])],
-    ids=["mid-generation", "mid-sync"])
-def test_rollout_server_killed_then_restarted_and_resynced(reference, tmp_path, fault, args):
-    code, log, _ = train(tmp_path, fault, "--checkpoint_interval=1", *args)
+@pytest.mark.parametrize("fault,args,failed", [
+    ("kill_server_gen@1", [], "step 1 rollout, attempt 1 failed"),
+    ("kill_server_sync@0", ["--weight_sync=distributed", "--weight_sync_bucket_mb=8", "--dist_timeout=30"],
+     "weight sync, attempt 1: ")], ids=["mid-generation", "mid-sync"])
+def test_rollout_server_killed_then_restarted_and_resynced(reference, spread, tmp_path, fault, args, failed):
+    code, log, _ = train(tmp_path, fault, "--checkpoint_interval=1", *spread, *args)
     assert code == 0 and "fault: kill -9 of the rollout server" in log, log[-3000:]
-    assert "exited with -9: restarting it" in log, log[-3000:]
+    assert failed in log and "exited with -9: restarting it" in log, log[-3000:]
     same_run(tmp_path, reference)  # the step redone with the same seeds
 
 
