@@ -8,13 +8,17 @@ Trainer vs rollout engine: the logprobs of the same tokens, and where two implem
     python compare_logprobs.py --layers --inject_bug 3           # a planted bug: layer 3's mHC comb untransposed
     python compare_logprobs.py --table --invariant               # both sides path-invariant: the aligned pairs agree exactly
     python compare_logprobs.py --rollout_url http://localhost:30000 --init_from out/ckpt --trainer bf16
+    python compare_logprobs.py --table --replay all --init_from out/base --prompts math   # routing / indexer replay
     torchrun --nproc_per_node=4 compare_logprobs.py --pp 2 --ep 2   # the trainer as a PP x EP layout (parallel.py)
 
 The engine samples (the embedded Engine in this process, or any SGLang-compatible server through RolloutClient);
 the trainer re-scores the same tokens with a plain forward. Reported over the generated tokens:
 mean / p99 / max |logp_trainer - logp_engine|, the k3 estimate of KL(engine || trainer) that Miles logs as
 train_rollout_kl, the first generated token (the engine's prefill) against the rest (its KV-cache decode),
-and the worst tokens with their context.
+and the worst tokens with their context. --replay (routing, both: replay.py) re-scores through the experts (and the
+CSA indexer's picks) the engine recorded, and adds the share of (token, layer) pairs whose expert set the trainer's own
+routers pick otherwise (in a replaying forward: Gate.forward's count, as train_grpo's routing_disagree), and of
+(token, CSA layer) rows and of single picks where its indexers do (those not replayed).
 
 Precisions, for either side:
   fp32, bf16  the model as is;
@@ -41,16 +45,20 @@ so an aligned pair then agrees bit for bit, on the CPU and on a GPU, and what re
 import argparse
 import copy
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 import parallel
+import replay
 from engine import Engine, SamplingParams
 from checkpoint import from_pretrained
-from model_dsv4 import ModelArgs, Transformer
+from model_dsv4 import ModelArgs, Transformer, mask_picks, picks_mask
 from quant import FP8Linear, fp4_dequantize, fp4_quantize, fp8_block_dequantize, fp8_block_quantize
-from tasks import load_tokenizer, prompt_ids, toy_problems
+from tasks import load_tokenizer, math_problems, prompt_ids, toy_problems
+
+MODES = {"none": (), "routing": ("routed_experts",), "both": ("routed_experts", "indexer_topk")}  # --replay
 
 # -----------------------------------------------------------------------------
 # models: one fp32 base, prepared per side
@@ -111,32 +119,77 @@ def inject_untransposed_comb(model, layer):
 # -----------------------------------------------------------------------------
 # logprobs: sample with the engine, re-score with the trainer
 
-def sample(engine_model, url, prompts, temperature, max_new_tokens, seed):
-    """-> [(prompt, output_ids, engine logprobs)]"""
+def sample(engine_model, url, prompts, temperature, max_new_tokens, seed, record=(), args=None):
+    """-> [(prompt, output_ids, engine logprobs)], and for each the replay fields `record` the engine recorded
+    ({field: int32 [T - 1, ...]}, replay.py; a server needs its --enable-return-* flags)"""
     if url:
         from rollout import RolloutClient
         sp = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": True}
-        outs = RolloutClient(url).generate(prompts, 1, sp, seed=seed, desc="compare")
-        return [(p, o[0]["output_ids"], o[0]["logprobs"]) for p, o in zip(prompts, outs)]
-    engine = Engine(engine_model, max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 8)
+        outs = RolloutClient(url).generate(prompts, 1, sp, seed=seed, desc="compare", replay=record)
+        samples = [o[0] for o in outs]
+        shape = replay.columns(args, range(args.num_hidden_layers), record) if record else {}
+        return ([(p, s["output_ids"], s["logprobs"]) for p, s in zip(prompts, samples)],
+                [{f: replay.sample_ids(s, f, len(p) + len(s["output_ids"]) - 1, shape[f][1], args) for f in record}
+                 for p, s in zip(prompts, samples)])
+    engine = Engine(engine_model, max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 8,
+                    record=record)
     sp = [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True, seed=seed + i)
           for i in range(len(prompts))]
-    return [(r.input_ids, r.output_ids, r.output_logprobs) for r in engine.generate(prompts, sp)]
+    reqs = engine.generate(prompts, sp)
+    return [(r.input_ids, r.output_ids, r.output_logprobs) for r in reqs], [r.recorded or {} for r in reqs]
 
 
 @torch.no_grad()
-def trainer_logprobs(model, prompt, out_ids, temperature, grid=None):
+def trainer_logprobs(model, prompt, out_ids, temperature, grid=None, rec=None, stats=None):
     """log_softmax(logits / T) of the generated tokens, from one full forward (what the GRPO step computes). With a
     grid, `model` is this rank's stage and the forward goes through the pipeline (parallel.forward_only): the last
-    stage gets the logprobs, the other stages None."""
+    stage gets the logprobs, the other stages None. rec: the engine's ids to replay ({field: [T - 1, ...]}, the last
+    token routing itself); stats: Transformer.replay_kwargs' (one process)."""
     ids = torch.tensor(prompt + out_ids, device=next(model.parameters()).device)[None]
+    rep = {f: torch.cat([t, torch.full_like(t[:1], -1)])[None].to(ids.device) for f, t in (rec or {}).items()}
     score = lambda logits, mb=None: ((logits[0, len(prompt) - 1:ids.shape[1] - 1].float() / max(temperature, 1e-6))
                                      .log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0])
     with model.numerics():  # the log-softmax too, as the engine's sampling does it
         if grid is None:
-            return score(model(ids))
-        out = parallel.forward_only(model, grid, [{"input_ids": ids}], score)
+            return score(model(ids, replay=rep, stats=stats))
+        cols = replay.columns(model.args, model.layers, rep)  # this stage's layers of each field
+        mb = {"input_ids": ids, **{f: t[:, :, cols[f][0]] for f, t in rep.items()}}
+        out = parallel.forward_only(model, grid, [mb], score)
     return out[0] if out else None
+
+
+@torch.no_grad()
+def pick_disagreement(model, samples, records, fields):
+    """The share of (token, layer) pairs whose expert set the trainer's routers pick otherwise than the engine's, of
+    (token, CSA layer) rows where its indexers pick another set, and of the engine's single indexer picks they miss,
+    in a forward that replays `fields` (a replaying router's own picks: Gate.forward's stats; a replaying indexer
+    picks nothing of its own: None)."""
+    n = torch.zeros(6)  # experts: differ, rows; indexer: rows differ, rows, picks missed, picks
+    for (p, o, _), rec in zip(samples, records):
+        own, hooks, stats = {}, [], []
+        for i, layer in model.layers.items():
+            if "routed_experts" not in fields:
+                hooks.append(layer.ffn.gate.register_forward_hook(
+                    lambda m, a, out, i=i: own.__setitem__(("e", i), out[1])))
+            if "indexer_topk" not in fields and layer.attn.indexer is not None:
+                hooks.append(layer.attn.indexer.register_forward_hook(
+                    lambda m, a, out, i=i: own.__setitem__(("x", i), mask_picks(out[0], model.args.index_topk))))
+        trainer_logprobs(model, p, o, 1.0, rec={f: rec[f] for f in fields}, stats=stats)
+        for h in hooks:
+            h.remove()
+        T = len(p) + len(o) - 1
+        sets = lambda t: t.sort(-1).values
+        if stats:
+            n[:2] += torch.stack(stats).sum(0)
+        else:
+            e = torch.stack([own[("e", i)][:T] for i in model.layers], 1)
+            n[:2] += torch.tensor([(sets(e) != sets(rec["routed_experts"])).any(-1).sum(), e.shape[0] * e.shape[1]])
+        if "indexer_topk" not in fields:
+            x, want = torch.stack([own[k][:T] for k in own if k[0] == "x"], 1), rec["indexer_topk"]
+            missed = picks_mask(want, T) & ~picks_mask(x, T)
+            n[2:] += torch.tensor([(x != want).any(-1).sum(), x.shape[0] * x.shape[1], missed.sum(), (want >= 0).sum()])
+    return {"experts_differ": (n[0] / n[1]).item(), "index_rows_differ": (n[2] / n[3]).item() if n[3] else None,
+            "index_picks_missed": (n[4] / n[5]).item() if n[5] else None}
 
 
 def compare(scores, samples, temperature, n_worst=5, decode=None):
@@ -181,11 +234,15 @@ class Trace:
         self.saved = [(blk, blk.hc_pre, blk.hc_post) for blk in model.layers.values()] + [(model, model.logits)]
         for i, blk in model.layers.items():
             for name in self.MODULES:
-                hook = lambda m, args, out, key=f"layers.{i}.{name}": self.put(key, out)
-                self.handles.append(blk.get_submodule(name).register_forward_hook(hook))
+                self.handles.append(blk.get_submodule(name).register_forward_hook(self.hook(f"layers.{i}.{name}")))
             blk.hc_pre, blk.hc_post = self.wrap_hc(blk, f"layers.{i}")
         logits = model.logits
         model.logits = lambda x: self.put("logits", logits(x))
+
+    def hook(self, key):
+        def record(module, args, out):  # returns None: the module's output stays as it is
+            self.put(key, out[0] if isinstance(out, tuple) else out)  # MoE(routed=True): (y, experts)
+        return record
 
     def close(self):
         for h in self.handles:
@@ -268,7 +325,10 @@ if __name__ == "__main__":
     ap.add_argument("--table", action="store_true", help="fp32/fp32, bf16/bf16, bf16/fp8, fp8/fp8 as a table")
     ap.add_argument("--invariant", action="store_true", help="both sides path-invariant (model.set_invariant): what closes the gap")
     ap.add_argument("--n_prompts", type=int, default=8)
-    ap.add_argument("--prompts", default="random", choices=["random", "toy"], help="random ids, or the toy task's prompts")
+    ap.add_argument("--prompts", default="random", choices=["random", "toy", "math"],
+                    help="random ids, the toy task's prompts, or the math task's held-out problems (a base's task)")
+    ap.add_argument("--replay", default="none", choices=[*MODES, "all"],
+                    help="re-score through the engine's experts (routing) and indexer picks (both), or each in turn")
     ap.add_argument("--max_new_tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -296,30 +356,52 @@ if __name__ == "__main__":
     if a.prompts == "toy":  # what a model trained by `python train_grpo.py` was trained on
         prompts = [prompt_ids(load_tokenizer("bytes"), p["prompt"]) for p in toy_problems()] * (a.n_prompts // 10 + 1)
         prompts = prompts[:a.n_prompts]
+    if a.prompts == "math":
+        prompts = [prompt_ids(load_tokenizer("bytes"), p["prompt"]) for p in math_problems("test", a.n_prompts)]
     tok = load_tokenizer(a.tokenizer) if a.tokenizer else None
     decode = (lambda ids: repr(tok.decode(ids))) if a.tokenizer else None
 
     pairs = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")] if a.table else [(a.trainer, a.engine)]
+    if a.table and a.rollout_url:  # the server's precision is its own: the trainer's vary
+        pairs = [(tp, "server") for tp in ("fp32", "bf16", "fp8")]
+    modes = list(MODES) if a.replay == "all" else [a.replay]
+    # the engine's picks: to replay, and to count where the trainer's differ (a server: with its flags, if asked)
+    record = MODES["both"] if not a.rollout_url or a.replay != "none" else ()
+    m, csa = base.args, len(replay.csa_layers(base.args))
+    print(f"replayed ids: {4 * (m.num_hidden_layers * m.num_experts_per_tok + csa * m.index_topk)} bytes a token (int32: "
+          f"{m.num_hidden_layers} layers x {m.num_experts_per_tok} experts, {csa} CSA layers x {m.index_topk} picks)")
     results = []
     for tp, ep in pairs:
         trainer = prepare(base, tp, a.invariant) if grid is None else stage_of(base, grid, tp, a.invariant)
-        samples = None
+        samples, records = None, None
         if grid is None or grid.rank == 0:
             engine_model = None if a.rollout_url else prepare(base, ep, a.invariant)
             if a.inject_bug >= 0:
                 inject_untransposed_comb(engine_model, a.inject_bug)
-            samples = sample(engine_model, a.rollout_url, prompts, a.temperature, a.max_new_tokens, a.seed)
+            samples, records = sample(engine_model, a.rollout_url, prompts, a.temperature, a.max_new_tokens, a.seed,
+                                      record, base.args)
         if grid is not None:
-            samples = parallel.broadcast_object(samples, 0, dist.group.WORLD, "samples")
-        scores = [trainer_logprobs(trainer, p, o, a.temperature, grid) for p, o, _ in samples]
-        if not report:
-            continue
-        name = f"trainer {tp} vs " + (f"server {a.rollout_url}" if a.rollout_url else f"engine {ep}")
-        results.append((name, compare(scores, samples, a.temperature, decode=decode)))
-        print(line(*results[-1]))
-        if grid is not None:  # the layout against one process holding the whole trainer
+            samples, records = parallel.broadcast_object((samples, records), 0, dist.group.WORLD, "samples")
+        for mode in modes:
+            recs = [{f: r[f] for f in MODES[mode]} for r in records]
+            t0 = time.perf_counter()
+            scores = [trainer_logprobs(trainer, p, o, a.temperature, grid, r) for (p, o, _), r in zip(samples, recs)]
+            t_score = time.perf_counter() - t0
+            if not report:
+                continue
+            name = f"trainer {tp} vs " + (f"server {a.rollout_url}" if a.rollout_url else f"engine {ep}") + \
+                f", replay {mode}"
+            res = compare(scores, samples, a.temperature, decode=decode)
+            res.update(t_score=t_score, **(pick_disagreement(trainer, samples, records, MODES[mode]) if grid is None
+                                           and record else {}))
+            results.append(((tp, ep, mode), name, res))
+            picks = {"experts differ": res.get("experts_differ"), "indexer rows differ": res.get("index_rows_differ"),
+                     "indexer picks missed": res.get("index_picks_missed")}
+            print(line(name, res) + "".join(f" | {k} {v:.4f}" for k, v in picks.items() if v is not None)
+                  + f" | scored in {t_score:.2f}s")
+        if grid is not None and report:  # the layout against one process holding the whole trainer
             whole = prepare(base, tp, a.invariant)
-            one = [trainer_logprobs(whole, p, o, a.temperature) for p, o, _ in samples]
+            one = [trainer_logprobs(whole, p, o, a.temperature, rec=r) for (p, o, _), r in zip(samples, recs)]
             diff = max((x - y).abs().max().item() for x, y in zip(scores, one))
             print(f"trainer as pp {grid.pp_size} x ep {grid.ep_size} (dp {grid.dp_size}) vs one process: max |d| {diff:.2e}")
         if a.layers:
@@ -330,10 +412,13 @@ if __name__ == "__main__":
             print(f"--layers: trainer {tp} (full forward) vs engine {ep} ({a.engine_path}), {len(p + o)} tokens")
             print_layers(*first_divergence(rec_a, rec_b, a.tol), a.tol)
     if a.table and report:
-        print("\n| trainer | engine | mean abs d logprob | p99 | max | KL (k3) | first token | rest |\n|---|---|---|---|---|---|---|---|")
-        for (tp, ep), (_, r) in zip(pairs, results):
-            print(f"| {tp} | {ep} | {r['mean']:.4f} | {r['p99']:.4f} | {r['max']:.4f} | {r['kl_k3']:.1e} | "
-                  f"{r['first']:.4f} | {r['rest']:.4f} |")
+        f = lambda v: "-" if v is None else f"{v:.3g}"
+        print("\n| trainer | engine | replay | mean abs d logprob | p99 | max | KL (k3) | first token | rest | experts "
+              "differ | indexer rows differ | indexer picks missed | scoring s |\n|" + "---|" * 13)
+        for (tp, ep, mode), _, r in results:
+            print(f"| {tp} | {ep} | {mode} | {r['mean']:.2e} | {r['p99']:.2e} | {r['max']:.2e} | {r['kl_k3']:.1e} | "
+                  f"{r['first']:.2e} | {r['rest']:.2e} | {f(r.get('experts_differ'))} | "
+                  f"{f(r.get('index_rows_differ'))} | {f(r.get('index_picks_missed'))} | {r['t_score']:.2f} |")
     if grid is not None:  # all ranks leave together, after the report: a rank still scoring when the others exit
         dist.barrier()    # aborts in gloo's teardown (SIGABRT on a loaded CPU)
         dist.destroy_process_group()

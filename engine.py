@@ -43,6 +43,8 @@ class Request:
     weight_version: str = None
     slot: int = None
     seed: int = None  # the request's draws: gumbel(seed, token index) (params.seed, or a random one)
+    record: tuple = ()  # replay.py's fields to return (Engine's record): read from the cache when it finishes
+    recorded: dict = None  # field -> int32 [prompt + output - 1, ...] (KVCache.recorded)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -86,8 +88,10 @@ def sample_tokens(logits, params, draws, filtered):
 
 
 class Engine:
-    def __init__(self, model, max_batch=64, max_len=4096, cuda_graphs=True):
-        self.model, self.args = model.eval(), model.args
+    """record: the replay fields (replay.py) the cache keeps for every sequence ("routed_experts", "indexer_topk"),
+    which a request may then ask for."""
+    def __init__(self, model, max_batch=64, max_len=4096, cuda_graphs=True, record=()):
+        self.model, self.args, self.record = model.eval(), model.args, tuple(record)
         self.device = next(model.parameters()).device
         self.max_batch, self.max_len = max_batch, max_len
         # the batch sizes decode runs at on a GPU (CUDA graphs): a batch takes the smallest bucket that holds it
@@ -99,7 +103,7 @@ class Engine:
         self.graphs = {} if (cuda_graphs and self.device.type == "cuda" and fast and model.dtype == torch.bfloat16
                              and not any(getattr(m, "fp8_emu", False) for m in model.modules())) else None
         # a scratch slot past max_batch: the padding rows of the CUDA graphs' batch buckets decode into it
-        self.cache = KVCache(model, max_batch + 1, max_len, self.device, static=self.graphs is not None)
+        self.cache = KVCache(model, max_batch + 1, max_len, self.device, static=self.graphs is not None, record=record)
         self._weights_in_place()
         self.vocab_size, self.eos_token_id = self.args.vocab_size, self.args.eos_token_id
         self.weight_version = "default"
@@ -110,11 +114,13 @@ class Engine:
         self.paused = False
 
     # ------------------------------------------------------------------ public, thread-safe
-    def submit(self, input_ids, params, rid):
+    def submit(self, input_ids, params, rid, record=()):
         if not input_ids or len(input_ids) + params.max_new_tokens > self.max_len:
             raise ValueError(f"prompt length {len(input_ids)} + max_new_tokens {params.max_new_tokens} must be "
                              f"in [1, max_len={self.max_len}]")
-        req = Request(rid, list(input_ids), params)
+        if not set(record) <= set(self.record):
+            raise ValueError(f"the engine records {list(self.record)}, not {sorted(set(record) - set(self.record))}")
+        req = Request(rid, list(input_ids), params, record=tuple(record))
         req.seed = (params.seed if params.seed is not None else torch.seed()) % 2 ** 63
         with self.wake:
             self.waiting.append(req)
@@ -166,9 +172,10 @@ class Engine:
                 torch._foreach_copy_(dst, [v.to(d.device, d.dtype) for d, v in zip(dst, named_tensors.values())])
 
     def generate(self, prompts, params):
-        """Offline use (tests, benchmarks): run the loop in this thread until every prompt is done."""
+        """Offline use (tests, benchmarks): run the loop in this thread until every prompt is done. Each request
+        returns what the engine records (record)."""
         params = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.submit(p, sp, str(i)) for i, (p, sp) in enumerate(zip(prompts, params))]
+        reqs = [self.submit(p, sp, str(i), self.record) for i, (p, sp) in enumerate(zip(prompts, params))]
         while not all(r.done.is_set() for r in reqs):
             self.step()
         return reqs
@@ -254,6 +261,8 @@ class Engine:
 
     def _finish(self, req, reason):
         req.finish_reason, req.weight_version = reason, self.weight_version
+        if req.record and req.slot is not None:  # before the slot is reused; the last token was never fed
+            req.recorded = self.cache.recorded(req.slot, len(req.input_ids) + len(req.output_ids) - 1, req.record)
         self.running.pop(req.slot, None)
         req.done.set()
 
@@ -271,8 +280,8 @@ class Engine:
         if ahead is not None:
             draws[:, 1] += ahead
         filtered = bool(params[:, 1].min() < 1.0 or params[:, 2].min() < V)
-        fast = all(layer.ffn.fast for layer in self.model.layers.values())  # the kernels on (not set_invariant)
-        if fast and has_triton(logits) and not filtered:  # dsv4_kernels.decode.sample_triton: the same draws, on a GPU
+        # dsv4_kernels.decode.sample_triton: the same draws, on a GPU ('sampling': off with set_invariant too)
+        if self.model.fast_sampling and has_triton(logits) and not filtered:
             greedy = params[:, 0] < GREEDY_T
             temp = torch.where(greedy, 1.0, params[:, 0]).float()
             chosen = sample_triton(logits, *(self._upload(t) for t in (temp, greedy, draws)))

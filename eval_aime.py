@@ -5,8 +5,10 @@ characters, Minerva normalisation, exact match), reimplemented, plus fixes: a la
 and AIME answers are integers, so the training reward stays pure regex: fast and deterministic."""
 import json
 import math
+import os
 import re
 
+ROOT = os.path.dirname(os.path.abspath(__file__))  # relative data paths fall back to the repository root
 DAPO_TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be of the "
                  "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
                  "Remember to put your answer on its own line after \"Answer:\".")
@@ -120,7 +122,20 @@ def pass_at_k_table(correct_counts, n):
 # -----------------------------------------------------------------------------
 # BOILERPLATE: problem loading
 
-def _read_rows(source, split):
+def data_path(source, key="data"):
+    """A .jsonl / .parquet file as given (from the working directory), else from the repository root, so that a
+    config's 'data/aime2024.jsonl' loads from any directory. key: the config key that named it, for the error."""
+    for path in (source, os.path.join(ROOT, source)):  # join keeps an absolute source as it is
+        if os.path.isfile(path):
+            return path
+    where = "" if os.path.isabs(source) else f" in the working directory ({os.getcwd()}) or the repository ({ROOT})"
+    raise ValueError(f"{key}={source!r}: no such file{where}; give --{key}=<a .jsonl or .parquet file> or a hub "
+                     f"dataset name (the hub needs network and the datasets package)")
+
+
+def _read_rows(source, split, key):
+    if source.endswith((".jsonl", ".parquet")):
+        source = data_path(source, key)
     if source.endswith(".jsonl"):
         with open(source) as f:
             try:
@@ -130,16 +145,22 @@ def _read_rows(source, split):
     if source.endswith(".parquet"):
         import pyarrow.parquet as pq  # lazy, like datasets below: importing eval_aime should cost nothing
         return pq.read_table(source).to_pylist()  # list<struct> and struct columns come back as lists and dicts
-    import datasets  # anything else is a hub dataset name
-    return datasets.load_dataset(source, split=split)
+    try:  # anything else is a hub dataset name
+        import datasets
+        return datasets.load_dataset(source, split=split)
+    except Exception as e:  # not installed, no network, no such dataset or split: one message for all
+        raise ValueError(f"{key}={source!r}: not a .jsonl or .parquet file, so a hub dataset name, which needs the "
+                         f"datasets package and network ({type(e).__name__}: {str(e)[:300]}); give --{key}=<a .jsonl "
+                         f"or .parquet file>") from None
 
 
-def load_problems(source, split="train", template=DAPO_TEMPLATE, limit=None):
+def load_problems(source, split="train", template=DAPO_TEMPLATE, limit=None, key="data"):
     """[{"id", "prompt", "answer", "problem"}] from a .jsonl, a .parquet or a hub dataset name, in one of three
     schemas: flat {problem, answer}; slime {prompt: [chat], label}; verl/DAPO {prompt: [chat],
     reward_model.ground_truth, extra_info}. A chat prompt is already templated and is used as is; a bare problem
-    goes into `template`. Duplicates are dropped: the hub DAPO-Math-17k repeats each problem ~100 times."""
-    rows = _read_rows(source, split)
+    goes into `template`. Duplicates are dropped: the hub DAPO-Math-17k repeats each problem ~100 times. key: the
+    config key that named the source, for the error when it cannot be read."""
+    rows = _read_rows(source, split, key)
     first = rows[0] if len(rows) else {}  # the schema is read off the first row, as parquet columns are uniform
     chat = isinstance(first.get("prompt"), list)
     if not (chat or "problem" in first or "prompt" in first):
@@ -199,6 +220,13 @@ def evaluate(client, tokenizer, problems, n_samples, sampling, seed=0, chat=True
     return res
 
 
+def summary(res):
+    """One line of an evaluate() result: pass@k, the well-formed share, the mean length, the problems' count."""
+    return (" ".join(f"{k} {v:.3f}" for k, v in res.items() if k.startswith("pass@")) + f" | well-formed "
+            f"{res['format_rate']:.3f} | mean_len {res['mean_len']:.0f} | truncated {res['truncation_rate']:.1%} | "
+            f"{res['n_problems']} problems")
+
+
 if __name__ == "__main__":
     import argparse
     from rollout import RolloutClient
@@ -225,8 +253,6 @@ if __name__ == "__main__":
     print(f"{'problem':>14s} {'answer':>8s} correct  sampled answers")
     for q in res["per_problem"]:
         print(f"{q['id']:>14s} {q['answer']:>8s} {q['correct']:3d}/{q['n']:<3d} {q['answers'][:8]}")
-    print(" | ".join(f"{k} {v:.3f}" for k, v in res.items() if k.startswith("pass@"))
-          + f" | mean_len {res['mean_len']:.0f} | truncated {res['truncation_rate']:.1%} | {res['n_problems']} problems, "
-            f"n={a.n_samples}, T={a.temperature}, top_p={a.top_p}, max_new_tokens={a.max_new_tokens}")
+    print(f"{summary(res)}, n={a.n_samples}, T={a.temperature}, top_p={a.top_p}, max_new_tokens={a.max_new_tokens}")
     json.dump({"args": vars(a), **res}, open(a.out, "w"), indent=1)
     print(f"wrote {a.out}")

@@ -14,7 +14,9 @@ faulthandler prints the Python stacks of every thread of this rank. `kill -USR1 
 """
 import faulthandler
 import json
+import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -75,6 +77,20 @@ class Preemption:
               flush=True)
 
 
+    def safe_point(self, grid, step, save):
+        """The end of a step, on every rank: when a signal reached any rank, every rank saves (save(); None when
+        the step has saved already) and exits 128 + signum."""
+        sig = int(parallel.all_reduce(torch.tensor(float(self.signum), device=grid.device), grid.world_group,
+                                      "preemption flag", op=torch.distributed.ReduceOp.MAX))
+        if sig:
+            if save is not None:
+                save()
+            if grid.rank == 0:
+                print(f"stopped by {signal.Signals(sig).name} after step {step}, checkpoint written; continue with "
+                      f"--resume=True", flush=True)
+            raise SystemExit(128 + sig)
+
+
 class Skips:
     """Consecutive skipped steps. Each one is logged; max_in_a_row of them stop the run (0: never)."""
 
@@ -91,7 +107,7 @@ class Skips:
 
 def report_nonfinite(step, m, mbs, model, rank, out_dir, say_grads):
     """A skipped update (parallel.train_step's m): this rank's micro-batches with a non-finite loss, each saved to
-    out_dir for a post-mortem; or, when every loss was finite, the parameters whose gradients were not."""
+    out_dir for a post-mortem; or, when every loss was finite, the parameters whose gradients were not. -> why."""
     for i, loss in m["nonfinite"]:
         path = os.path.join(out_dir, f"step{step:06d}_rank{rank:05d}_mb{i}.pt")
         os.makedirs(out_dir, exist_ok=True)
@@ -102,6 +118,8 @@ def report_nonfinite(step, m, mbs, model, rank, out_dir, say_grads):
         bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
         print(f"rank {rank}: step {step}: gradient norm {m['grad_norm']} with finite losses: update skipped; "
               f"non-finite gradients in {len(bad)} tensors here, e.g. {bad[:4]}", flush=True)
+    return (f"non-finite loss in micro-batch {[i for i, _ in m['nonfinite']]}" if m["nonfinite"]
+            else "non-finite gradient norm" if not math.isfinite(m["grad_norm"]) else "non-finite loss on another rank")
 
 
 def save_checkpoint(out_dir, step, save_weights, state, grid, config, keep):
@@ -130,6 +148,20 @@ def checkpoints(out_dir):
     names = sorted(d for d in os.listdir(out_dir) if d.startswith("ckpt_")) if os.path.isdir(out_dir) else []
     done = [d for d in names if re.fullmatch(r"ckpt_\d+", d) and os.path.exists(os.path.join(out_dir, d, "meta.json"))]
     return done, [d for d in names if d not in done]
+
+
+def load_state(ckpt, grid):
+    """This rank's trainer state of a checkpoint (save_checkpoint's `state`), its RNGs restored."""
+    st = torch.load(rank_file(ckpt, grid.rank, grid.world_size), weights_only=True)
+    torch.set_rng_state(st["torch_rng"])
+    random.setstate((3, tuple(st["py_rng"]), None))
+    return st
+
+
+def trainer_state(step, opt, **extra):
+    """What a rank saves beside the weights: the optimizer, the RNGs, the step, and the caller's extras."""
+    return {"opt": opt.state_dict(), "torch_rng": torch.get_rng_state(), "py_rng": list(random.getstate()[1]),
+            "step": step, **extra}
 
 
 def rank_file(ckpt, rank, world_size):

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
+import replay as replay_ids
 
 
 def group_advantages(rewards):
@@ -25,12 +26,16 @@ def keep_group(rewards):
     return len(set(rewards)) > 1
 
 
-def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", device="cpu", pad_to=1):
+def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", device="cpu", pad_to=1, replay=None,
+                      args=None):
     """groups: [(prompt ids, [samples], [advantages])] -> n_micro right-padded micro-batches holding what the last
     stage's loss needs, per position t (logits at t score token t+1): response mask, advantage, rollout logprob,
     and the loss weight: 1 / (response length * norm) for the per-sample token mean (norm = samples, all DP
     ranks together), 1 / norm for the token mean (norm = response tokens, all DP ranks together).
-    pad_to: each micro-batch's length rounded up to a multiple of it (compiled layers: one graph for every length)."""
+    pad_to: each micro-batch's length rounded up to a multiple of it (compiled layers: one graph for every length).
+    replay: replay.columns of this stage: the engine's ids to replay, int32 [B, T, this stage's layers, k] under the
+    field's name, row t for the token at t; -1 where the engine sent none (the last token, padding): the trainer's
+    router picks there, its indexer none. args: the ModelArgs they are checked against."""
     samples = [(prompt, s, a) for prompt, ss, advs in groups for s, a in zip(ss, advs)]
     out = []
     for chunk in [samples[i::n_micro] for i in range(n_micro)]:
@@ -38,6 +43,8 @@ def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", dev
         mb = {k: torch.zeros(len(chunk), T, dtype=d) for k, d in (("input_ids", torch.long), ("tgt", torch.long),
               ("mask", torch.bool), ("adv", torch.float32), ("rollout_lp", torch.float32), ("weight", torch.float32),
               ("first", torch.bool))}
+        for name, (cols, shape) in (replay or {}).items():
+            mb[name] = torch.full((len(chunk), T, len(cols), shape[1]), -1, dtype=torch.int32)
         for b, (p, s, a) in enumerate(chunk):
             ids, P, R = p + s["output_ids"], len(p), len(s["output_ids"])
             mb["input_ids"][b, :len(ids)] = torch.tensor(ids)
@@ -47,6 +54,8 @@ def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", dev
             mb["rollout_lp"][b, sl] = torch.tensor(s["logprobs"], dtype=torch.float32)
             mb["weight"][b, sl] = 1.0 / norm if loss_agg == "token_mean" else 1.0 / (R * norm)
             mb["first"][b, P - 1] = True
+            for name, (cols, shape) in (replay or {}).items():
+                mb[name][b, :len(ids) - 1] = replay_ids.sample_ids(s, name, len(ids) - 1, shape, args)[:, cols]
         out.append({k: v.to(device) for k, v in mb.items()})
     return out
 
@@ -132,16 +141,30 @@ def rollout_metrics(rstats, version, grid):
             "kept_group_ratio": tot["kept"] / max(tot["groups"], 1), "stale_samples": int(tot["stale"])}
 
 
+def step_line(rec, max_steps):
+    """The step's log line, from its metrics record (train_grpo.py): a fixed order, the time split last."""
+    g = lambda k, f: format(rec.get(k, 0), f)
+    return (f"step {rec['step']:05d}/{max_steps} | reward {g('reward_mean', '.3f')} | acc {g('accuracy', '.3f')} | "
+            f"len {g('response_len_mean', '.1f')} | kept {g('kept_group_ratio', '.2f')} | loss {g('loss', '+.4f')} | "
+            f"clip {g('pg_clipfrac', '.3f')} | kl {g('approx_kl', '+.1e')} | ent {g('entropy', '.2f')} | |dlp| "
+            f"{g('logprob_abs_diff', '.1e')} | gnorm {g('grad_norm', '.2f')} | t_roll {g('t_rollout', '.1f')}s t_train "
+            f"{g('t_train', '.1f')}s t_sync {g('t_sync', '.1f')}s | {g('elapsed_s', '.0f')}s"
+            + (f" | skipped: {rec['skipped']}" if 'skipped' in rec else ''))
+
+
 def train_metrics(m, grid):
     """parallel.train_step's metric sums on the last stages, summed over DP (max for maxima) -> means per token."""
-    keys = sorted(k for k in m if k not in ("grad_norm", "skipped", "nonfinite"))
+    keys = sorted(k for k in m if k not in ("grad_norm", "skipped", "nonfinite", "replay_ids_mib"))
     t = torch.tensor([float(m.get(k, 0.0)) for k in keys], device=grid.device)
     mx = torch.tensor([float(m.get("lp_diff_max", 0.0))], device=grid.device)
     parallel.all_reduce(t, grid.dp_group, "metrics")
     parallel.all_reduce(mx, grid.dp_group, "metrics max", op=dist.ReduceOp.MAX)
     s = dict(zip(keys, t.tolist()))
     n = max(s.get("n_tok", 0), 1)
-    return {"loss": s.get("loss", 0), "pg_clipfrac": s.get("clip", 0) / n, "approx_kl": s.get("kl", 0) / n,
+    # routing replay: (token, layer) pairs whose expert set the trainer's router would pick otherwise than the engine
+    replayed = {"routing_disagree": s["routing_differ"] / max(s["routing_rows"], 1)} if "routing_rows" in s else {}
+    replayed.update({"replay_ids_mib": m["replay_ids_mib"]} if "replay_ids_mib" in m else {})  # the most on a rank
+    return {**replayed, "loss": s.get("loss", 0), "pg_clipfrac": s.get("clip", 0) / n, "approx_kl": s.get("kl", 0) / n,
             "entropy": s.get("entropy", 0) / n, "logprob_abs_diff": s.get("lp_diff", 0) / n,
             "logprob_abs_diff_max": mx.item(), "logprob_abs_diff_first": s.get("lp_diff_first", 0) / max(s.get("n_first", 0), 1),
             "tis_mean": s.get("tis", 0) / n, "ratio_abs_dev": s.get("ratio_dev", 0) / n, "train_tokens": s.get("n_tok", 0)}

@@ -8,7 +8,9 @@ Per layer and per sequence slot the cache holds what DeepSeek-V4's attention rea
   - for compressed layers, the compressed entries emitted so far (one per `ratio` tokens), and the
     compressor's state: the kv/score rows of the current partial window and, for CSA's overlapping
     windows, the previous window's first-half rows;
-  - for CSA layers the same again for the lightning indexer's own compressor.
+  - for CSA layers the same again for the lightning indexer's own compressor;
+  - with record (routing and indexer replay, replay.py), the experts each position was routed to and the compressed
+    entries each position's indexer picked, for the whole sequence (`recorded` reads a finished one).
 A prompt is prefilled with the training forward's functions; decode then feeds one token per step.
 Prefill followed by decode equals a full forward (tests/test_engine.py). Decode has no host sync, and with
 static=True fixed shapes (compressed caches are read whole, masked), so on a GPU each batch bucket's step is one
@@ -20,7 +22,9 @@ from dsv4_kernels import has_triton
 from dsv4_kernels.decode import compress_step_triton, window_kv_triton
 from dsv4_kernels.decode_attention import decode_attention_triton
 from dsv4_kernels.fast import fused_projections
-from model_dsv4 import length_multiple, rope_cos_sin, sink_attention, top_k_mask
+from model_dsv4 import length_multiple, mask_picks, rope_cos_sin, sink_attention, top_k_mask
+
+RECORD = {"routed_experts": "experts", "indexer_topk": "index"}  # replay.py's field -> the cache's buffer
 
 
 def compressors(attn):
@@ -33,10 +37,11 @@ def compressors(attn):
 class KVCache:
     """Fixed-size buffers for max_batch sequence slots (see the module docstring), and the model's prefill and decode
     through them. static: decode reads every compressed entry, masked (fixed shapes, for CUDA graphs and compiled
-    code); else only up to the longest sequence's."""
+    code); else only up to the longest sequence's. record: the fields of RECORD to keep, int32 [max_len, K] (experts)
+    and [max_len, index_topk] (CSA layers' indexer picks) a slot and layer."""
     pad_prefill = False  # set by compile_policy.compile_layers: prefill pads its length to a multiple of length_multiple
 
-    def __init__(self, model, max_batch, max_len, device, static=False):
+    def __init__(self, model, max_batch, max_len, device, static=False, record=()):
         a, dt = model.args, model.dtype
         self.args, self.device, self.static = a, device, static
         self.layers = []
@@ -51,6 +56,10 @@ class KVCache:
                 c[name + "_score"] = torch.zeros(max_batch, m, coff * d, device=device)
                 c[name + "_prev_kv"] = torch.zeros(max_batch, m, d, device=device)  # overlap: window before
                 c[name + "_prev_score"] = torch.full((max_batch, m, d), float("-inf"), device=device)
+            if "routed_experts" in record:
+                c["experts"] = torch.zeros(max_batch, max_len, a.num_experts_per_tok, dtype=torch.int32, device=device)
+            if "indexer_topk" in record and attn.indexer is not None:
+                c["index"] = torch.full((max_batch, max_len, a.index_topk), -1, dtype=torch.int32, device=device)
             self.layers.append(c)
 
     def reset(self, slots):
@@ -63,6 +72,12 @@ class KVCache:
                     c[k][idx] = float("-inf")
                 elif k.endswith("_prev_kv"):
                     c[k][idx] = 0
+
+    def recorded(self, slot, n, fields):
+        """Positions [0, n) of the sequence in `slot`, of the recorded fields (RECORD) -> {field: int32 on the host,
+        [n, layers, K] for routed_experts, [n, CSA layers, index_topk] for indexer_topk}."""
+        return {f: torch.stack([c[RECORD[f]][slot, :n] for c in self.layers if RECORD[f] in c], 1).cpu()
+                for f in fields}
 
     def copy(self, srcs, dsts):
         """Copy cache rows srcs to rows dsts (lists; the n samples of a prompt share its prefill)."""
@@ -83,23 +98,31 @@ class KVCache:
         x = model.embed_streams(ids)
         slot_t, L = torch.tensor(slots, device=self.device), torch.tensor(lengths, device=self.device)
         for layer, c in zip(model.layers.values(), self.layers):
-            x, kv, comps = self.prefill_layer(layer, x, ids)
+            x, kv, comps, routed, cmask = self.prefill_layer(layer, x, ids)
             self._fill(c, slot_t, L, kv, [(n, cp, *t) for (n, cp), t in zip(compressors(layer.attn), comps)])
+            if "experts" in c:  # recorded: row p for position p (a pad's row is written by decode before it is read)
+                c["experts"][slot_t, :T] = routed[:, :c["experts"].shape[1]].int()
+            if "index" in c:
+                c["index"][slot_t, :T] = mask_picks(cmask, self.args.index_topk)[:, :c["index"].shape[1]]
         return model.logits(x[torch.arange(len(prompts), device=self.device), L - 1][:, None])[:, 0]
 
     def prefill_layer(self, layer, x, ids):
         # one Block.forward over the batch's prompts x [B, T, n, D] (ids [B, T]), and what decode needs from them: the
         # window's keys kv [B, T, d] and, for each compressor of compressors(attn), (its entries, its kv and score
-        # rows). compile_policy.compile_layers compiles this (dynamic batch and length: layers of one kind share it)
+        # rows); and the experts each token went to [B, T, K] and the compressed entries each query read, the indexer's
+        # picks on a CSA layer (Attention.forward's picked). compile_policy.compile_layers compiles this (dynamic batch
+        # and length: layers of one kind share it)
         a = self.args
         h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
         attn = layer.attn
         cos, sin = rope_cos_sin(a, attn.ratio, torch.arange(x.shape[1], device=x.device))
         kv = attn.window_kv(h, cos, sin)
         comps = [(cp(h, a), *cp.project(h)) for _, cp in compressors(attn)]
-        x = layer.hc_post(attn(h), x, post, comb)
+        o, cmask = attn(h, picked=True)
+        x = layer.hc_post(o, x, post, comb)
         h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)
-        return layer.hc_post(layer.ffn(h, ids), x, post, comb), kv, comps
+        y, routed = layer.ffn(h, ids, routed=True)
+        return layer.hc_post(y, x, post, comb), kv, comps, routed, cmask
 
     def _fill(self, c, slots, L, kv, comps):
         """Write a prefilled batch into cache rows slots (int64 [B]), prompt b being L[b] tokens of the right-padded
@@ -150,7 +173,10 @@ class KVCache:
         h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
         x = layer.hc_post(self._attn_decode(layer.attn, h, c, slots, pos, rope), x, post, comb)
         h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)
-        return layer.hc_post(layer.ffn(h, tokens[:, None]), x, post, comb)
+        y, routed = layer.ffn(h, tokens[:, None], routed=True)
+        if "experts" in c:  # recorded for replay
+            c["experts"][slots, pos] = routed[:, 0].int()
+        return layer.hc_post(y, x, post, comb)
 
     def _compressor_step(self, comp, h, c, name, slots, pos, fast, proj, rope):
         """Add one token's kv/score row to its partial window; when the window completes, pool it into a
@@ -188,7 +214,7 @@ class KVCache:
         comp = lambda n: (p[n + ".wkv"], p[n + ".wgate"]) if p else None
         q, qr = attn.query(h, cos, sin, p.get("wq_a"))
         W = a.sliding_window
-        fast = attn.fast and has_triton(h) and not torch.is_grad_enabled()  # dsv4_kernels/decode.py's kernels
+        fast = attn.fast_decode and has_triton(h) and not torch.is_grad_enabled()  # dsv4_kernels/decode.py's
         if fast and not attn.wkv.fp8_emu:  # the key's norm and RoPE, its cache row and position: one kernel
             kv = attn.wkv(h) if "wkv" not in p else p["wkv"]
             window_kv_triton(kv[:, 0], attn.kv_norm.weight, cos[:, 0], sin[:, 0], c["win"], c["win_pos"], slots, pos,
@@ -212,6 +238,8 @@ class KVCache:
                 score = index.scores(h, qr, c["idx"][slots, :S], cos, sin, p.get("indexer.weights_proj"))[:, 0]
                 score = score.masked_fill(~visible, float("-inf"))
                 visible = visible & top_k_mask(score, attn.indexer.topk)
+                if "index" in c:  # recorded for replay
+                    c["index"][slots, pos] = mask_picks(visible, attn.indexer.topk)
         if fast:  # dsv4_kernels/decode_attention.py: keys read in place, the mask below worked out inside (but the indexer's
             # picks), the output's RoPE undone inside, as output() rounds
             o = decode_attention_triton(q[:, 0], c["win"], c["win_pos"], c.get("comp"), slots, pos, attn.ratio,

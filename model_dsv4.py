@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from dsv4_kernels import has_triton
 from dsv4_kernels.decode import q_norm_rope_triton
-from dsv4_kernels.fast import fuse_projections, linear_f32, matmul_f32, stack_experts, window_attention
+from dsv4_kernels.fast import fuse_projections, linear_f32, matmul_f32, stack_experts, use_gemm_f32, window_attention
 from dsv4_kernels.invariant import PathInvariant
 from dsv4_kernels.mhc_triton import HC_PRE_TOKENS, hc_post_triton, hc_pre_triton
 from mhc import hc_head, hc_mixes, hc_split_sinkhorn
@@ -337,8 +337,12 @@ class Indexer(nn.Module):
             return (s * w[..., None]).sum(2)
         return torch.einsum("bths,bth->bts", s, w)  # eager: a batched GEMV
 
-    def forward(self, x, qr, args, visible):
-        # visible: [T, S] causal visibility of compressed entries -> bool [B, T, S] selected entries
+    def forward(self, x, qr, args, visible, replay=None):
+        # visible: [T, S] causal visibility of compressed entries -> bool [B, T, S] selected entries. replay
+        # [B, T, index_topk] (replay.py): the entries the engine's indexer picked (-1: none), taken instead of these
+        # scores' picks, which are then not computed (they give the LM loss no gradient either way)
+        if replay is not None:
+            return picks_mask(replay, visible.shape[-1]) & visible  # a replayed pick never reaches the future
         B, T, _ = x.shape
         k = self.compressor(x, args)
         cos, sin = rope_cos_sin(args, 4, torch.arange(T, device=x.device))
@@ -357,6 +361,22 @@ def top_k_mask(score, k):
     return above | (tie & (tie.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
 
 
+def mask_picks(mask, k):
+    """bool [..., S], at most k set a row -> int32 [..., k]: the set entries in ascending order, then -1 (the rows of
+    SGLang's indexer_topk). A row's k smallest of (entry if set, else S), with k more S appended for short rows."""
+    S = mask.shape[-1]
+    key = torch.where(mask, torch.arange(S, device=mask.device), S)
+    key = torch.cat([key, key.new_full((*key.shape[:-1], k), S)], dim=-1)
+    first = key.topk(k, dim=-1, largest=False).values  # ascending
+    return torch.where(first == S, -1, first).int()
+
+
+def picks_mask(picks, S):
+    """mask_picks' inverse: int [..., k] (-1: none) -> bool [..., S]."""
+    hit = torch.zeros(*picks.shape[:-1], S + 1, dtype=torch.bool, device=picks.device)
+    return hit.scatter_(-1, torch.where(picks < 0, S, picks).long(), True)[..., :S]
+
+
 def sink_attention(q, kv, mask, sink, scale):
     """Softmax attention where a per-head sink logit enlarges the denominator only.
     q: [B, T, H, d], kv: [B, L, d] (K == V), mask: bool [B or 1, T, L], sink: [H] -> [B, T, H, d]"""
@@ -369,7 +389,8 @@ def sink_attention(q, kv, mask, sink, scale):
 
 class Attention(nn.Module):
     """Shared-KV MQA with a low-rank query, sliding window + optional compressed keys, and an attention sink."""
-    fast = False  # set by Transformer.set_kernels
+    fast = False  # set by Transformer.set_kernels ('attention'): the window attention by blocks (training, prefill)
+    fast_decode = False  # ('decode_attention'): the engine's decode step: fused projections, Triton kernels
     fused = None  # decode's input projections in one tensor, the weights views of it: Transformer.fuse_projections
     FP32 = ("compressor.wkv", "compressor.wgate", "indexer.compressor.wkv", "indexer.compressor.wgate")  # fp32 out
     def __init__(self, layer_id, args):
@@ -407,7 +428,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         qr = self.q_norm(self.wq_a(x) if qa is None else qa)
         q = self.wq_b(qr).view(B, T, self.n_heads, self.head_dim)
-        if self.fast and T == 1 and has_triton(q) and not torch.is_grad_enabled():  # decode: one Triton kernel
+        if self.fast_decode and T == 1 and has_triton(q) and not torch.is_grad_enabled():  # decode: a Triton kernel
             return q_norm_rope_triton(q, cos, sin, self.args.rms_norm_eps), qr
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.args.rms_norm_eps).to(q.dtype)
         return apply_rope(q, cos[:, None], sin[:, None]), qr
@@ -427,8 +448,9 @@ class Attention(nn.Module):
         u = torch.einsum("btgi,goi->btgo", o.reshape(B, T, g, -1), wo_a)
         return self.wo_b(u.flatten(2))
 
-    def forward(self, x):
-        # x: [B, T, D] -> [B, T, D]
+    def forward(self, x, index=None, picked=False):
+        # x: [B, T, D] -> [B, T, D]; index: the indexer's replayed picks (Indexer.forward's replay). picked: also return
+        # the compressed entries each query read, bool [B or 1, T, S] (None if none): the engine records a CSA layer's
         B, T, _ = x.shape
         pos = torch.arange(T, device=x.device)
         cos, sin = rope_cos_sin(self.args, self.ratio, pos)
@@ -439,17 +461,17 @@ class Attention(nn.Module):
             S = ckv.shape[1]
             # entry s covers tokens up to s*ratio + ratio - 1, so query t sees s < (t + 1) // ratio
             visible = torch.arange(S, device=x.device)[None, :] < ((pos + 1) // self.ratio)[:, None]  # [T, S]
-            cmask = self.indexer(x, qr, self.args, visible) if self.indexer is not None else visible[None]
+            cmask = self.indexer(x, qr, self.args, visible, index) if self.indexer is not None else visible[None]
         if self.fast:  # dsv4_kernels/fast.py: the same softmax by blocks of `sliding_window` queries
             o = window_attention(q, kv, ckv, cmask, self.attn_sink, self.softmax_scale, self.args.sliding_window)
-            return self.output(o, cos, sin)
-        # window: key j visible from query t iff t - window < j <= t
-        mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.args.sliding_window))[None]
-        if self.ratio:
-            kv = torch.cat([kv, ckv], dim=1)
-            mask = torch.cat([mask.expand(cmask.shape[0], -1, -1), cmask], dim=-1)
-        o = sink_attention(q, kv, mask, self.attn_sink, self.softmax_scale)
-        return self.output(o, cos, sin)
+        else:  # window: key j visible from query t iff t - window < j <= t
+            mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.args.sliding_window))[None]
+            if self.ratio:
+                kv = torch.cat([kv, ckv], dim=1)
+                mask = torch.cat([mask.expand(cmask.shape[0], -1, -1), cmask], dim=-1)
+            o = sink_attention(q, kv, mask, self.attn_sink, self.softmax_scale)
+        o = self.output(o, cos, sin)
+        return (o, cmask) if picked else o
 
 
 # -----------------------------------------------------------------------------
@@ -497,12 +519,14 @@ class Block(nn.Module):
             return y.to(x.dtype)
         return (y + torch.matmul(comb.transpose(-1, -2), x.float())).to(x.dtype)
 
-    def forward(self, x, ids):
-        # x: [B, T, n, D], ids: [B, T] (hash routing reads the input token ids) -> [B, T, n, D]
+    def forward(self, x, ids, experts=None, index=None, stats=None):
+        # x: [B, T, n, D], ids: [B, T] (hash routing reads the input token ids) -> [B, T, n, D]. The rollout engine's
+        # picks to replay (Transformer.replay_kwargs): experts [B, T, K] for the router (and stats: Gate.forward's),
+        # index [B, T, index_topk] for a CSA layer's indexer
         h, post, comb = self.hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm)
-        x = self.hc_post(self.attn(h), x, post, comb)
+        x = self.hc_post(self.attn(h, index), x, post, comb)
         h, post, comb = self.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm)
-        return self.hc_post(self.ffn(h, ids), x, post, comb)
+        return self.hc_post(self.ffn(h, ids, experts, stats), x, post, comb)
 
 
 class MTPBlock(Block):
@@ -531,11 +555,16 @@ class MTPBlock(Block):
 FP32_NAMES = ("hc_", "attn_sink", "ape", "norm.weight", "gate.bias")  # tensors kept in fp32 whatever the dtype
 
 
+# set_kernels' names, one a fast path (kernel_check.py); gemm_f32 is the process's (dsv4_kernels.fast.GEMM_F32)
+KERNEL_PATHS = ("gemm_f32", "attention", "decode_attention", "mhc", "experts", "routing", "sampling")
+
+
 class Transformer(nn.Module):
     """The whole model, or (built by parallel.py) one pipeline stage of it: `layers` is a dict keyed by the
     global layer index, so a stage keeps the official names; a stage's missing ends are None."""
     invariant = False  # path-invariant numerics: set_invariant
     fast = False  # the head's mHC mixes on tensor cores, as the blocks' (set_kernels)
+    fast_sampling = False  # the engine samples in Triton (set_kernels: 'sampling')
 
     def __init__(self, args: ModelArgs, dtype=torch.bfloat16, ep_group=None):
         super().__init__()
@@ -589,10 +618,22 @@ class Transformer(nn.Module):
         return self
 
     def set_kernels(self, fast=True):
-        """The fast paths of dsv4_kernels/ (on) or the plain reference beside each call (off): block-wise window
-        attention, grouped-GEMM experts, mHC on tensor cores and in Triton, and the decode step's kernels."""
-        for m in (m for m in self.modules() if isinstance(m, (Attention, MoE, Block, Transformer))):
-            m.fast = fast
+        """The fast paths of dsv4_kernels/ or the plain reference beside each call: True all, False none (both leave
+        the process-wide gemm_f32 as it is), or a collection of KERNEL_PATHS names, those on and the others off,
+        gemm_f32 included. kernel_check.py says what each name takes, and chooses them for kernels='auto'."""
+        on = set(KERNEL_PATHS) if fast is True else set() if fast is False else set(fast)
+        if on - set(KERNEL_PATHS):
+            raise ValueError(f"unknown kernel path(s) {sorted(on - set(KERNEL_PATHS))}: the paths are "
+                             f"{', '.join(KERNEL_PATHS)}")
+        flags = {"attention": (Attention, "fast"), "decode_attention": (Attention, "fast_decode"),
+                 "mhc": ((Block, Transformer), "fast"), "experts": (MoE, "fast"), "routing": (MoE, "fast_routing"),
+                 "sampling": (Transformer, "fast_sampling")}
+        for m in self.modules():
+            for path, (kinds, flag) in flags.items():
+                if isinstance(m, kinds):
+                    setattr(m, flag, path in on)
+        if not isinstance(fast, bool):
+            use_gemm_f32("gemm_f32" in on)
         return self
 
     def stack_experts(self):
@@ -630,14 +671,30 @@ class Transformer(nn.Module):
         h = self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.args, self.fast))
         return linear_f32(h, self.head.weight)
 
-    def forward(self, input_ids, mtp=False):
+    def replay_kwargs(self, replay, stats=None):
+        """Block.forward's replayed picks, a dict for each of this model's (or pipeline stage's) layers in order, from
+        replay["routed_experts"] [B, T, layers, K] and replay["indexer_topk"] [B, T, CSA layers, index_topk] of these
+        layers (replay.py; either may be absent). stats: a list, to which each replaying router's counts are added."""
+        out, experts, index, c = [], replay.get("routed_experts"), replay.get("indexer_topk"), 0
+        for j, layer in enumerate(self.layers.values()):
+            out.append({})
+            if experts is not None:
+                out[-1]["experts"] = experts[:, :, j]
+                if stats is not None:
+                    stats.append(out[-1].setdefault("stats", torch.zeros(2, device=experts.device)))
+            if index is not None and layer.attn.indexer is not None:
+                out[-1]["index"], c = index[:, :, c], c + 1
+        return out
+
+    def forward(self, input_ids, mtp=False, replay=None, stats=None):
         """input_ids [B, T] -> fp32 logits [B, T, vocab]. With mtp=True also the MTP logits
-        [B, T-1, vocab], where position t predicts token t+2."""
+        [B, T-1, vocab], where position t predicts token t+2. replay, stats: replay_kwargs' (the MTP layer routes
+        itself: the engine reports the trunk's layers only)."""
         self.stack_experts()
         with self.numerics():
             x = self.embed_streams(input_ids)
-            for layer in self.layers.values():
-                x = layer(x, input_ids)
+            for layer, kw in zip(self.layers.values(), self.replay_kwargs(replay or {}, stats)):
+                x = layer(x, input_ids, **kw)
             logits = self.logits(x)
             if not mtp:
                 return logits

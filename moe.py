@@ -32,11 +32,15 @@ class Gate(nn.Module):
         else:
             self.register_buffer("bias", torch.zeros(E, dtype=torch.float32))
 
-    def forward(self, x, ids, logits=None, fast=False):
-        # x: [N, D], ids: [N] -> weights [N, K] fp32, expert ids [N, K]; logits: linear_f32(x, weight) if computed
+    def forward(self, x, ids, logits=None, fast=False, replay=None, stats=None):
+        # x: [N, D], ids: [N] -> weights [N, K] fp32, expert ids [N, K]; logits: linear_f32(x, weight) if computed.
+        # replay [N, K] (R3, replay.py): the experts the rollout engine routed each token to, taken instead of this
+        # router's picks; a row of -1 (padding, a sequence's last token) is routed here. The weights stay this
+        # router's scores, at the replayed experts, so it still learns. stats (float [2]) <- (replayed rows whose
+        # expert set this router would pick otherwise, replayed rows): train_grpo's routing_disagree.
         logits = linear_f32(x, self.weight) if logits is None else logits
         f, a = self.args.scoring_func, self.args
-        if fast and has_triton(logits) and not torch.is_grad_enabled():  # without grad on a GPU: one Triton kernel
+        if fast and replay is None and has_triton(logits) and not torch.is_grad_enabled():  # no grad, GPU: one kernel
             return route_triton(logits, self.tid2eid if self.hash else self.bias, ids, a.num_experts_per_tok, f,
                                 self.hash, a.norm_topk_prob, a.routed_scaling_factor)
         scores = logits.softmax(-1) if f == "softmax" else logits.sigmoid() if f == "sigmoid" else F.softplus(logits).sqrt()
@@ -44,6 +48,12 @@ class Gate(nn.Module):
             idx = self.tid2eid[ids]
         else:
             idx = (scores + self.bias).topk(self.args.num_experts_per_tok, dim=-1).indices
+        if replay is not None:
+            given = replay[:, :1] >= 0
+            own, idx = idx, torch.where(given, replay.long(), idx)
+            if stats is not None:  # sets, not lists: topk orders by score, the engine's order is its own
+                differ = (own.sort(-1).values != idx.sort(-1).values).any(-1)
+                stats.copy_(torch.stack([differ.sum(), given.sum()]))
         w = scores.gather(1, idx)
         if self.args.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
@@ -206,7 +216,8 @@ class MoE(nn.Module):
     """Routed experts + one shared expert. Every V4 layer is MoE; there are no dense FFN layers.
     With an EP group, this rank holds experts [ep_rank * n_local, (ep_rank + 1) * n_local); the router
     and the shared expert are replicated. Expert names keep their global index (experts.{e})."""
-    fast = False  # set by Transformer.set_kernels: grouped GEMM experts (dsv4_kernels/fast.py)
+    fast = False  # set by Transformer.set_kernels ('experts'): grouped GEMM experts (dsv4_kernels/fast.py)
+    fast_routing = False  # ('routing'): a decode step's router and pair order in Triton (dsv4_kernels/route.py)
     stacked = None  # the local experts' weights in two stacks, the parameters views of them: Transformer.stack_experts
     def __init__(self, layer_id, args, ep_group=None):
         super().__init__()
@@ -246,15 +257,18 @@ class MoE(nn.Module):
             start += c
         return torch.cat(out) if out else xs
 
-    def forward(self, x, ids):
-        # x: [B, T, D], ids: [B, T] -> [B, T, D]
+    def forward(self, x, ids, replay=None, stats=None, routed=False):
+        # x: [B, T, D], ids: [B, T] -> [B, T, D]; replay [B, T, K] and stats: Gate.forward's. routed: also return the
+        # experts each token went to, [B, T, K] (the engine records them for replay: kv_cache.py)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, idx = self.gate(x, ids.reshape(-1), fast=self.fast)
+        replay = replay.reshape(-1, replay.shape[-1]) if replay is not None else None
+        weights, idx = self.gate(x, ids.reshape(-1), fast=self.fast_routing, replay=replay, stats=stats)
         decode = shape[1] == 1
-        xs, ws, counts, ctx = dispatch(x, weights, idx, self.n_local, self.ep_group, decode, self.fast)
+        xs, ws, counts, ctx = dispatch(x, weights, idx, self.n_local, self.ep_group, decode, self.fast_routing)
         ys, shared = self.run_experts(xs, ws, counts, x, decode)
         y = combine(ys, ctx, x.shape[0], idx.shape[1], self.ep_group)
         if shared is None:  # not computed with the routed experts
             shared = self.shared_experts(x)
-        return (y + shared.float()).to(x.dtype).view(shape)
+        y = (y + shared.float()).to(x.dtype).view(shape)
+        return (y, idx.view(*shape[:-1], -1)) if routed else y

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model_dsv4 import ModelArgs, Transformer
 from moe import group_size
+from replay import FIELDS as REPLAYED
 
 VERBOSE = os.environ.get("VERBOSE") == "1"  # print an arrow per p2p transfer: the tool for a pipeline hang
 
@@ -186,18 +187,24 @@ def build_stage(args: ModelArgs, grid: Grid, dtype=torch.float32, pp_layers=None
     return model
 
 
-def stage_forward(model, x, ids, recompute=False):
+def stage_forward(model, x, ids, recompute=False, replay=None, stats=None):
     """x: [B, T, n, D] from the previous stage, or None on the first -> this stage's streams (the last stage's go
     on to head_loss). Every stage gets the token ids: hash-routed layers read them, wherever they sit. The caller
-    enters model.numerics() (set_invariant's sums), so that the head and the loss are inside too."""
+    enters model.numerics() (set_invariant's sums), so that the head and the loss are inside too. replay: the
+    micro-batch's replayed ids, this stage's layers (Transformer.replay_kwargs), and stats its routers' counts."""
     model.stack_experts()
     if x is None:
         x = model.embed_streams(ids)
     rerun = lambda: (nullcontext(), model.numerics())  # a recomputed layer rounds as its forward did
-    for layer in model.layers.values():
+    for layer, kw in zip(model.layers.values(), model.replay_kwargs(replay or {}, stats)):
         # recompute: keep only each layer's input, rerun the layer in backward (same routing: deterministic)
-        x = checkpoint(layer, x, ids, use_reentrant=False, context_fn=rerun) if recompute else layer(x, ids)
+        x = checkpoint(layer, x, ids, use_reentrant=False, context_fn=rerun, **kw) if recompute else layer(x, ids, **kw)
     return x
+
+
+def replayed(mb):
+    """The replay fields a micro-batch carries (grpo.make_microbatches)."""
+    return {k: mb[k] for k in REPLAYED if k in mb}
 
 
 def head_loss(model, x, mb, fn):
@@ -279,8 +286,11 @@ def send_bwd_recv_fwd(grid, g, shape, dtype):
 # any token loss from what its micro-batch carries (advantages, old logprobs, ...).
 
 def _forward(model, grid, x, mb, loss_fn, recompute, metrics):
+    stats = []
     with model.numerics():
-        out = stage_forward(model, x, mb["input_ids"], recompute)
+        out = stage_forward(model, x, mb["input_ids"], recompute, replayed(mb), stats)
+        if stats:  # routing replay: (rows whose expert set the router would pick otherwise, rows), summed on the device
+            metrics["routing"] = metrics.get("routing", 0) + torch.stack(stats).sum(0)
         if not grid.is_last_stage:
             return out
         loss = head_loss(model, out, mb, loss_fn)
@@ -350,7 +360,7 @@ def forward_only(model, grid, microbatches, fn):
     for mb in microbatches:
         x = recv_fwd(grid, (*mb["input_ids"].shape, model.args.hc_mult, model.args.hidden_size), model.dtype)
         with model.numerics():
-            y = stage_forward(model, x, mb["input_ids"])
+            y = stage_forward(model, x, mb["input_ids"], replay=replayed(mb))
             if grid.is_last_stage:
                 out.append(head_loss(model, y, mb, fn))
         if not grid.is_last_stage:
@@ -407,6 +417,13 @@ def train_step(model, grid, opt, microbatches, loss_fn, grad_clip=1.0, schedule=
     run = one_f_one_b if schedule == "1f1b" else afab
     metrics = run(model, grid, microbatches, loss_fn, recompute)
     metrics["nonfinite"] = [(i, x) for i, x in enumerate(metrics.pop("mb_losses", [])) if not math.isfinite(x)]
+    ids = [t for mb in microbatches for t in replayed(mb).values()]
+    if ids:  # replay: each stage's routers count their own layers; the memory of the ids, the most on any rank
+        if "routed_experts" in microbatches[0]:
+            r = all_reduce(metrics.pop("routing"), grid.pp_group, "routing disagreement over pp").tolist()
+            metrics.update(routing_differ=r[0], routing_rows=r[1])
+        mib = torch.tensor(sum(t.nbytes for t in ids) / 2 ** 20, device=grid.device)
+        metrics["replay_ids_mib"] = all_reduce(mib, grid.world_group, "replay ids memory", op=dist.ReduceOp.MAX).item()
     reduce_grads(model, grid)
     metrics["grad_norm"] = clip_grad_norm(model, grid, grad_clip)  # global: the same on every rank
     n_bad = all_reduce(torch.tensor(float(len(metrics["nonfinite"])), device=grid.device), grid.world_group,

@@ -26,6 +26,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
+from replay import FIELDS as REPLAY_FIELDS, FLAGS as REPLAY_FLAGS, decode as decode_ids
+
 # Connection refused or reset, timeouts, a response cut short: the server, not the request, is at fault.
 RETRYABLE = (OSError, http.client.HTTPException)
 
@@ -52,17 +54,26 @@ def error_message(payload):
     return str(payload)[:500]
 
 
-def parse_sample(url, out):
+def parse_sample(url, out, body=None):
     """One /generate response -> the sample the trainer uses. The logprob entries [logprob, token_id, text]
-    must name exactly the output tokens: the trainer pairs them up by position."""
+    must name exactly the output tokens: the trainer pairs them up by position. The replay fields the request
+    `body` asked for (replay.py) come as int32 [prompt + output - 1, -1] under their meta_info names."""
     mi = out["meta_info"]
     entries = mi.get("output_token_logprobs") or []
     if [e[1] for e in entries] != out["output_ids"] or any(e[0] is None for e in entries):
         raise RuntimeError(f"{url}: request {mi['id']}: output_token_logprobs {entries} do not match "
                            f"output_ids {out['output_ids']}")
-    return {"output_ids": out["output_ids"], "logprobs": [float(e[0]) for e in entries],
-            "finish_reason": mi["finish_reason"], "weight_version": mi.get("weight_version"),
-            "prompt_tokens": mi["prompt_tokens"], "completion_tokens": mi["completion_tokens"], "url": url}
+    sample = {"output_ids": out["output_ids"], "logprobs": [float(e[0]) for e in entries],
+              "finish_reason": mi["finish_reason"], "weight_version": mi.get("weight_version"),
+              "prompt_tokens": mi["prompt_tokens"], "completion_tokens": mi["completion_tokens"], "url": url}
+    for f in [f for f, key in REPLAY_FIELDS.items() if (body or {}).get(key)]:
+        if mi.get(f) is None:  # SGLang leaves the field out when it was not started with the flag
+            raise RuntimeError(f"{url}: request {mi['id']}: no meta_info.{f} (start SGLang with {REPLAY_FLAGS[f]})")
+        try:
+            sample[f] = decode_ids(mi[f], mi["prompt_tokens"] + len(out["output_ids"]) - 1)
+        except ValueError as e:  # not base64, or not whole rows
+            raise RuntimeError(f"{url}: request {mi['id']}: meta_info.{f}: {e}") from e
+    return sample
 
 
 class Progress:
@@ -91,7 +102,22 @@ class RolloutClient:
     max_backoff), and the request moves to another URL; a request that failed 1 + `retries` times raises,
     naming every URL and its last error. generate() starts with a health check of every URL. A 4xx is a
     bad request, not a bad server: it raises at once. URLs in `stale` (a weight sync did not reach them,
-    weight_sync.py) get no requests until a full sync does, however healthy they are."""
+    weight_sync.py) get no requests until a full sync does, however healthy they are.
+
+    What holds with real SGLang 0.5.23 (checked against one serving a tiny Llama on the CPU, 2026-12): groups with
+    output logprobs, pause / continue, flush, the weight-update session, and disk, distributed and tensor syncs with
+    flattened buckets work unchanged. It needs three launch flags for the rest:
+      --enable-deterministic-inference: without it SGLang accepts sampling_seed and silently ignores it (a rerun with
+          the same seeds reproduced 0 of 12 samples), so no rollout is reproducible; with it, SGLang's deterministic
+          mode draws by the seed (its claim, not measured here; its draws are not the embedded server's);
+      --enable-return-routed-experts (routing_replay) and --enable-return-indexer-topk (indexer_replay; SGLang fills it
+          on its CUDA / NPU backends only): without them meta_info lacks the field and generate() raises, naming the
+          flag. The fields' byte layout is read from SGLang's source (replay.py); no payload of a running SGLang has
+          been decoded yet.
+    What holds only with the embedded server (server.py): the logprobs it returns are the trainer's forward's (fp32:
+    within ~1e-6; both sides set_invariant: bit for bit); the experts and indexer picks it returns are the ones the
+    trainer's own routers and indexers pick on the same sequence in fp32, so replay changes nothing there
+    (tests/test_replay.py); and a sample's tokens are a function of its seed alone, whatever batch it ran in."""
 
     def __init__(self, urls, api_key=None, timeout=3600.0, max_concurrency=256, retries=4, backoff=0.5,
                  max_backoff=30.0):
@@ -107,6 +133,7 @@ class RolloutClient:
         self.last_error = dict.fromkeys(self.urls)
         self.turn = 0
         self.stale = set()
+        self.ready = False  # every server answered /health once (wait_ready)
 
     # ------------------------------------------------------------------ HTTP
     def _http(self, url, method, path, body=None, timeout=None):
@@ -153,9 +180,10 @@ class RolloutClient:
         return RuntimeError(f"rollout servers unreachable: {what}; last error per server:{lines}")
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts, n, sampling, seed, desc="rollout", prompt_keys=None):
+    def generate(self, prompts, n, sampling, seed, desc="rollout", prompt_keys=None, replay=()):
         """n samples for each prompt (a list of token ids) -> [prompt][sample] dicts with output_ids, logprobs,
-        finish_reason, weight_version, prompt_tokens, completion_tokens and url.
+        finish_reason, weight_version, prompt_tokens, completion_tokens and url, and the replay fields asked for
+        ("routed_experts", "indexer_topk": replay.py) as int32 tensors, a row a position (parse_sample).
         Group sampling is n separate requests per prompt (SGLang's own n > 1 would replace our rids), each
         with its own sampling_seed from (seed, prompt key, sample index); the key is the prompt's index here
         unless prompt_keys names it (the trainer passes global prompt indices, so samples do not depend on how
@@ -165,8 +193,9 @@ class RolloutClient:
             raise ValueError("sampling['n'] must stay 1: pass n to generate() instead")
         params, tag = {**DEFAULT_SAMPLING, **sampling}, f"{desc}-{uuid.uuid4().hex[:8]}"
         keys = prompt_keys if prompt_keys is not None else list(range(len(prompts)))
+        asks = {"return_logprob": True, **{REPLAY_FIELDS[f]: True for f in replay}}
         bodies = [{"input_ids": list(p), "sampling_params": {**params, "sampling_seed": sample_seed(seed, keys[i], j)},
-                   "return_logprob": True, "rid": f"{tag}-{i}-{j}"} for i, p in enumerate(prompts) for j in range(n)]
+                   "rid": f"{tag}-{i}-{j}", **asks} for i, p in enumerate(prompts) for j in range(n)]
         if not any(ok for u, ok in self.health().items() if u not in self.stale):
             raise self._unreachable(f"no server passed GET /health, or holds the current weights (stale: "
                                     f"{sorted(self.stale)})")
@@ -198,7 +227,7 @@ class RolloutClient:
                 self.outstanding[url] -= 1
             if status == 200:
                 self.fails[url] = 0
-                return parse_sample(url, out)
+                return parse_sample(url, out, body)
             if status is not None and status < 500:
                 raise RuntimeError(f"{url}/generate: HTTP {status}: {error_message(out)}")
             self._mark_down(url, out if status is None else f"HTTP {status}: {error_message(out)}")
@@ -217,14 +246,18 @@ class RolloutClient:
             await asyncio.sleep(min(self.down_until[u] for u in fresh) - now)
 
     # ------------------------------------------------------------------ admin, on every server
-    def wait_ready(self, timeout=600.0):
+    def wait_ready(self, timeout=600.0, server=None):
         """Until every URL passes GET /health (a server loading a big checkpoint takes minutes); RuntimeError
-        naming each URL that did not, after `timeout` seconds."""
+        naming each URL that did not, after `timeout` seconds. server: an EmbeddedServer to give up on at once
+        when its process has exited."""
         deadline = time.monotonic() + timeout
         while not all(self.health(timeout=10.0).values()):
+            if server is not None and server.exit_code() is not None:
+                raise SystemExit(f"error: the embedded rollout server exited with {server.exit_code()}")
             if time.monotonic() > deadline:
                 raise self._unreachable(f"not every server ready after {timeout:.0f} s")
             time.sleep(1.0)
+        self.ready = True
 
     def health(self, timeout=30.0):
         """GET /health on every URL -> {url: ok}. A passing URL is back in rotation; a failing one is out for
@@ -342,8 +375,14 @@ if __name__ == "__main__":
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     p.add_argument("--fp8-emu", action="store_true", help="FP8 activations, KV and indexer FP4 (set_fp8_emulation)")
     p.add_argument("--invariant", action="store_true", help="path-invariant numerics (compare_logprobs --invariant)")
+    p.add_argument("--kernels", default="auto", help="auto | fast | reference | path names, comma-separated: the fast "
+                   "paths to take (kernel_check.py; auto checks them on this GPU)")
     p.add_argument("--compile", default="off", choices=["off", "hot", "layers"],
                    help="torch.compile: mHC/norm/RoPE functions (hot) or each layer's decode step (layers, GPU only)")
+    p.add_argument("--enable-return-routed-experts", dest="record", action="append_const", const="routed_experts",
+                   default=[], help="record each token's experts, for return_routed_experts (routing replay)")
+    p.add_argument("--enable-return-indexer-topk", dest="record", action="append_const", const="indexer_topk",
+                   help="record each CSA layer's indexer picks, for return_indexer_topk (indexer replay, replay.py)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-len", type=int, default=4096)

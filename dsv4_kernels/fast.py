@@ -4,8 +4,9 @@ forward and backward):
 
   - matmul_f32 / linear_f32: a GEMM with an fp32 result from bf16 operands (tensor cores, fp32 accumulation, no
     rounding of the result); the reference writes F.linear(x.float(), w.float()), the same product as an fp32 GEMM.
-    Used by the router, the compressors, the indexer and the output head. Always on: on the CPU or in fp32 it *is*
-    the reference.
+    Used by the router, the compressors, the indexer and the output head. One switch for the whole process
+    (GEMM_F32, the kernel path 'gemm_f32'), not a module's: the call sites are many and hold no module; on the CPU
+    or in fp32 the two are one GEMM anyway.
   - hc_mixes_bf16: mHC's mixes from bf16 streams on bf16 tensor cores, fn split into three exact bf16 parts, as
     accurate as the reference's fp32 GEMM (mhc.hc_mixes).
   - grouped_experts: every local expert in two grouped GEMMs (torch._grouped_mm) instead of a Python loop
@@ -25,11 +26,19 @@ from .decode import EXPERT_ROWS, experts_triton
 
 # T tokens, H heads, d head dim, w window (= block of queries), nb blocks, S compressed entries, e local experts
 
+GEMM_F32 = True  # bf16 GEMMs with an fp32 result (torch.mm's out_dtype) on a GPU; off: fp32 GEMMs of fp32 copies
+
+
+def use_gemm_f32(on):
+    """Set GEMM_F32 for the process (model_dsv4.Transformer.set_kernels, given path names)."""
+    global GEMM_F32
+    GEMM_F32 = bool(on)
+
 
 def mm_f32(a, b):
     """a @ b with an fp32 result, for a [M, K] or [B, M, K] and b [K, N] or [B, K, N], no autograd of its own: one
-    bf16 GEMM with an fp32 output for CUDA bf16 operands, an fp32 GEMM otherwise."""
-    if a.is_cuda and a.dtype == b.dtype == torch.bfloat16:
+    bf16 GEMM with an fp32 output for CUDA bf16 operands (GEMM_F32), an fp32 GEMM otherwise."""
+    if GEMM_F32 and a.is_cuda and a.dtype == b.dtype == torch.bfloat16:
         return (torch.mm if a.dim() == 2 else torch.bmm)(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
@@ -56,7 +65,7 @@ class _MatmulF32(torch.autograd.Function):
 
 def matmul_f32(a, b):
     """fp32 a @ b for a [M, K] or [B, M, K] and b [K, N] or [B, K, N]."""
-    if a.is_cuda and a.dtype == b.dtype == torch.bfloat16:
+    if GEMM_F32 and a.is_cuda and a.dtype == b.dtype == torch.bfloat16:
         return _MatmulF32.apply(a, b)
     return mm_f32(a, b)
 
@@ -212,8 +221,8 @@ def fuse_projections(attns):
     changed = False
     for m in attns:
         linears = m.fused_linears
-        if not m.fast or any(getattr(w, "fp8_emu", False) or w.weight.dtype != linears[0].weight.dtype
-                             for w in linears):
+        if not m.fast_decode or any(getattr(w, "fp8_emu", False) or w.weight.dtype != linears[0].weight.dtype
+                                    for w in linears):
             m.fused = None
         elif not is_fused([w.weight for w in linears], m.fused):
             m.fused, changed = fuse_rows_([w.weight for w in linears]), True
@@ -246,7 +255,7 @@ def fused_projections(module, x):
     as in training and prefill. Only the engine's decode calls this (kv_cache.py)."""
     names, linears = module.fused_names(), module.fused_linears
     # under torch.compile the caller vouches for the views (the engine runs Transformer.fuse_projections each step)
-    if module.fused is None or not module.fast or not (torch.compiler.is_compiling() or is_fused(
+    if module.fused is None or not module.fast_decode or not (torch.compiler.is_compiling() or is_fused(
             [w.weight for w in linears], module.fused)):
         return {}
     outs = mm_f32(x.reshape(-1, x.shape[-1]), module.fused.t()).view(*x.shape[:-1], -1)

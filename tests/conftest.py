@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import dsv4_kernels.fast
 from model_dsv4 import ModelArgs
 
 # Two tiny shapes that between them cover every mechanism: window-only, CSA (overlap compressor + indexer)
@@ -79,6 +80,14 @@ def compile_layers():
      kv_cache.KVCache.step_rope, kv_cache.KVCache.prefill_layer, kv_cache.KVCache.pad_prefill,
      engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss) = saved
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def gemm_f32_switch():
+    """Transformer.set_kernels given path names (server.start does it) sets the process-wide GEMM switch
+    (dsv4_kernels.fast.GEMM_F32): each test starts from the default, so none leaks into the next."""
+    yield
+    dsv4_kernels.fast.use_gemm_f32(True)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ FAULT is none, or KIND@STEP[:RANK] (the fault fires in GRPO step STEP, on rank R
     kill_server_gen   kill -9 of the embedded rollout server as the step's rollout sends its 3rd request (the
                       first two in flight: every request of that attempt fails)
     kill_server_sync  kill -9 of the embedded rollout server at the second bucket of the sync after the step
-Format warm-up off: train_step call i is GRPO step i (a run from --init_from also syncs once before step 0)."""
+train_step call i is GRPO step i."""
 import os
 import runpy
 import signal
@@ -19,7 +19,6 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-import grpo  # noqa: E402
 import parallel  # noqa: E402
 import rollout  # noqa: E402
 import weight_sync  # noqa: E402

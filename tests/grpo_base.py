@@ -3,8 +3,8 @@
 A random model never writes "Answer: <digit>" in the toy task: every sample scores the same, every advantage is 0,
 and such runs agree whatever the policy-gradient path does. This base writes the format and the right digit about
 half the time, so a group of 4 samples mostly holds right and wrong answers: reward spread. It is made once a pytest
-session, in the test process, and every compared run starts from it (--init_from): unlike train_grpo's own format
-warm-up, which draws its batch per DP rank, it is the same for any layout."""
+session, in the test process, and every compared run starts from it (--init_from), so every layout starts from the
+same weights."""
 import os
 
 import torch
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #   embeddings and head at lr 3e-3, undoes the format, and the next steps have no reward spread;
 #   no TIS: the loss does not read the engine's logprobs, which move in the 7th digit with the order in which the
 #   server batches requests (a resumed or restarted run batches them otherwise), so those runs train bit for bit alike.
-ARGS = ["--max_new_tokens=10", "--overlong_buffer=0", "--entropy_coef=0", "--trainable=io", "--lr=3e-4", "--tis_cap=0"]
+ARGS = ["--data=toy", "--eval_data=toy", "--max_new_tokens=10", "--overlong_buffer=0", "--entropy_coef=0", "--trainable=io", "--lr=3e-4", "--tis_cap=0"]
 
 
 def make_base(path, steps=40, seed=0):

@@ -88,7 +88,7 @@ def test_fp8_prepare_rounds_weights_once():
 
 def test_engine_vs_trainer_logprobs_fp32():
     model = small_model()
-    samples = sample(model, "", [[5, 6, 7, 8], list(range(9, 40))], 1.0, 12, seed=0)
+    samples, _ = sample(model, "", [[5, 6, 7, 8], list(range(9, 40))], 1.0, 12, seed=0)
     r = compare([trainer_logprobs(model, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=2)
     assert r["tokens"] == 24 and r["max"] < 1e-4 and abs(r["kl_k3"]) < 1e-8
 
@@ -99,7 +99,7 @@ def test_invariant_fp8_engine_equals_trainer_bit_for_bit():
     base = small_model()
     trainer, engine_model = prepare(base, "fp8", invariant=True), prepare(base, "fp8", invariant=True)
     prompts = [[5, 6, 7, 8], list(range(9, 40)), list(range(40, 53))]
-    samples = sample(engine_model, "", prompts, 1.0, 10, seed=0)
+    samples, _ = sample(engine_model, "", prompts, 1.0, 10, seed=0)
     r = compare([trainer_logprobs(trainer, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=1)
     assert r["tokens"] == 30 and r["max"] == 0.0, r
 
@@ -112,7 +112,7 @@ def test_invariant_server_equals_trainer_bit_for_bit():
     httpd = server.start(copy.deepcopy(base), port=0, max_batch=4, max_len=128, invariant=True)
     try:
         prompts = [[5, 6, 7, 8], list(range(9, 40)), list(range(40, 53))]
-        samples = sample(None, httpd.url, prompts, 1.0, 10, seed=0)
+        samples, _ = sample(None, httpd.url, prompts, 1.0, 10, seed=0)
     finally:
         httpd.close()
     trainer = base.set_invariant()
@@ -130,7 +130,7 @@ def test_path_invariant_engine_equals_trainer(device):
     gaps = []
     for invariant in (False, True):
         model.set_kernels(device == "cuda").set_invariant(invariant)
-        samples = sample(model, "", prompts, 1.0, 12, seed=0)
+        samples, _ = sample(model, "", prompts, 1.0, 12, seed=0)
         gaps.append(compare([trainer_logprobs(model, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=0))
     assert gaps[1]["tokens"] == 36 and gaps[1]["max"] == 0.0, gaps[1]
     assert device == "cpu" or gaps[0]["max"] > 0, gaps[0]  # what it closes on a GPU
@@ -162,7 +162,7 @@ def test_path_invariant_engine_equals_trainer_on_a_sensitive_model():
     model = wide_init_(Transformer(copy.deepcopy(TINY), dtype=torch.float32)).set_dtype(torch.bfloat16).eval()
     model.set_kernels(False).set_invariant(True)
     prompts = [[5, 6, 7, 8], list(range(9, 40)), list(range(40, 53))]
-    samples = sample(model, "", prompts, 1.0, 12, seed=0)
+    samples, _ = sample(model, "", prompts, 1.0, 12, seed=0)
     r = compare([trainer_logprobs(model, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=0)
     assert r["tokens"] == 36 and r["max"] == 0.0, r
 

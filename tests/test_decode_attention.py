@@ -90,7 +90,7 @@ def test_engine_decode_on_triton_attention_equals_reference(monkeypatch):
     logits = []
     for fast in (True, False):
         for layer in model.layers.values():
-            layer.attn.fast = fast
+            layer.attn.fast = layer.attn.fast_decode = fast
         cache = kv_cache.KVCache(model, 4, 64, DEV, static=fast)
         out = []
         with torch.no_grad():

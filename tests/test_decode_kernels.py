@@ -201,7 +201,7 @@ def test_q_norm_rope_triton_equals_query(dtype, monkeypatch):
     with torch.no_grad():
         got, ref = [], []
         for fast, out in ((True, got), (False, ref)):
-            attn.fast = fast
+            attn.fast = attn.fast_decode = fast
             out.append(attn.query(x, cos, sin)[0])
             c, s = rope_cos_sin(TINY, attn.ratio, torch.arange(3).to(DEV))
             out.append(q_norm_rope_triton(attn.wq_b(attn.q_norm(attn.wq_a(x[:1].expand(1, 3, -1)))).view(

@@ -16,7 +16,8 @@ from checkpoint import load_state_dict
 from grpo_base import ARGS as SPREAD_ARGS, assert_policy_gradient, base_checkpoint
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-BASE = ["--n_prompts=4", "--n_samples=4", "--max_new_tokens=8", "--format_warmup_steps=0", "--overlong_buffer=7",
+BASE = ["--init_from=scratch", "--model_config=config/models/tiny.json", "--data=toy", "--eval_data=toy",
+        "--n_prompts=4", "--n_samples=4", "--max_new_tokens=8", "--overlong_buffer=7",
         "--eval_interval=0", "--n_microbatches=2", "--dynamic_sampling=False", "--lr=3e-3", "--max_steps=2"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 

@@ -119,8 +119,9 @@ def test_clipping_tis_and_kl():
 
 
 def run(out, *args, nproc=1):
-    """The real entry point, tiny and quick: no format warm-up, rewards as graded, a checkpoint a step."""
-    base = ["--out_dir=" + str(out), "--n_prompts=4", "--n_samples=4", "--format_warmup_steps=0",
+    """The real entry point, tiny and quick: the toy task, rewards as graded, a checkpoint a step."""
+    base = ["--out_dir=" + str(out), "--init_from=scratch", "--model_config=config/models/tiny.json", "--data=toy",
+            "--eval_data=toy", "--n_prompts=4", "--n_samples=4",
             "--eval_interval=0", "--n_microbatches=2", "--dynamic_sampling=False",
             "--checkpoint_interval=1", "--keep_checkpoints=5", "--lr=3e-3"]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1
@@ -164,6 +165,15 @@ def test_smoke_and_resume_equals_uninterrupted(tmp_path, base):
     assert full[0]["ratio_abs_dev"] == 0.0 and full[0]["pg_clipfrac"] == 0.0  # strictly on-policy
 
 
+def test_minibatches_score_against_the_policy_before_the_step(tmp_path, base):
+    """n_minibatches=2: two updates from one rollout. The second minibatch's ratio is to the policy that drew the
+    samples, which the first update has moved: |ratio - 1| > 0 (a run that took the old logprobs after the first
+    update scores it on-policy again, ratio 1, and PPO's clip never binds)."""
+    rows = run(tmp_path / "m", "--max_steps=1", "--n_minibatches=2", "--lr=3e-3", *base)
+    assert_policy_gradient(rows)
+    assert rows[0]["ratio_abs_dev"] > 1e-4, rows[0]["ratio_abs_dev"]
+
+
 def test_grpo_step_pp2_ep2_equals_one_rank(tmp_path, base):
     every = "--trainable=all", "--lr=3e-3"  # one step: every parameter trained and compared
     one = run(tmp_path / "one", "--max_steps=1", *base, *every)
@@ -192,38 +202,3 @@ def test_invariant_run_scores_rollouts_exactly(tmp_path):
     r = run(tmp_path / "inv", "--max_steps=1", "--max_new_tokens=8", "--dtype=bfloat16", "--invariant=True",
             "--recompute=True", "--trainable=all", "--pp_size=2", nproc=2)[0]
     assert r["train_tokens"] > 0 and r["logprob_abs_diff_max"] == 0.0 and r["logprob_abs_diff"] == 0.0, r
-
-
-def test_format_warmup_teaches_the_format():
-    """tasks.format_warmup (the toy task's supervised steps on 'Answer: <random digit>', run before GRPO when
-    format_warmup_steps > 0; the other tests turn it off for time): through the trainer's micro-batches and
-    train_step it lowers the loss of the format on problems and digits it did not train on, sets the optimizer's
-    learning rate, and prints its progress on the logging rank."""
-    import io
-    import random
-    from contextlib import redirect_stdout
-    from dataclasses import replace
-    import grpo
-    import parallel
-    from conftest import SMALL
-    from model_dsv4 import Transformer
-    from optimizer import AdamW
-    from tasks import ByteTokenizer, format_warmup, format_warmup_batch, toy_problems
-    torch.manual_seed(0)
-    tok, grid = ByteTokenizer(), parallel.init_distributed()
-    model = Transformer(replace(SMALL, num_hidden_layers=2, compress_ratios=[0, 4, 0]), dtype=torch.float32)
-    model.init_weights(seed=0)
-    held_out = format_warmup_batch(tok, toy_problems(seed=9), random.Random(9))  # all ten problems, other digits
-    mbs = make_microbatches([(p, [{"output_ids": r, "logprobs": [0.0] * len(r)}], [1.0]) for p, r in held_out], 1,
-                            float(len(held_out)), "token", grid.device)
-    nll = lambda: -(grpo.token_logprobs(model(mbs[0]["input_ids"]), mbs[0]) * mbs[0]["mask"]).sum().item() \
-        / mbs[0]["mask"].sum().item()  # mean negative logprob of a response token
-    before, opt = nll(), AdamW(model.parameters(), lr=1e-3)
-    with redirect_stdout(io.StringIO()) as out:
-        format_warmup(model, grid, opt, tok, toy_problems(n=6, seed=1), steps=10, lr=1e-2, seed=3, say=True,
-                      loss_agg="token", pad_to=1, grad_clip=1.0, recompute=False)
-    with torch.no_grad():
-        after = nll()
-    assert after < 0.5 * before, (before, after)  # here 6.19 -> 0.38 nats a token; the random digit keeps ln 10
-    assert all(g["lr"] == 1e-2 for g in opt.param_groups)
-    assert "format warm-up 10/10 | loss" in out.getvalue() and "format warm-up 5/10" in out.getvalue()
