@@ -72,8 +72,7 @@ resume = False  # continue from the newest complete checkpoint in out_dir
 pp_size, ep_size = 1, 1
 pp_layers = ''  # e.g. '11,11,11,10'; '' = balanced
 n_microbatches = 4
-recompute = False
-optimizer_offload = False
+recompute, optimizer_offload = False, False
 dist_timeout = 600  # seconds before a stuck collective fails (every process group; weight-sync calls too)
 watchdog_s = 0  # > 0: a step running longer prints every thread's stack on each rank and exits 124 (faults.py)
 max_consecutive_skips = 3  # steps skipped in a row (non-finite loss or gradient, rollouts failed) that stop the run
@@ -86,15 +85,14 @@ weight_sync_bucket_mb = 512  # distributed, tensor: bytes per bucket, the most o
 weight_sync_flatten = True  # distributed, tensor: a bucket as one tensor of its bytes (SGLang's 'flattened_bucket')
 weight_sync_verify = False  # after each sync, check every tensor's first rows on every server against what was sent
 rollout_quant = 'none'  # 'none' | 'fp8' | 'fp8_fp4': what the rollout engine serves
-rollout_max_batch = 64
+rollout_max_batch = 128  # sequences a server decodes at once: a step's 16 x 8 samples in one batch
 # data and sampling
 data = 'math'  # 'math' (tasks.py: RL prompts), 'toy', a .jsonl / .parquet path, or a hub dataset name
 eval_data = 'math'  # 'math': the task's fixed held-out set of n_test problems
 math_steps, math_digits, math_ops, math_words = 2, 1, '+-', 0.0  # the math task's knobs, as in sft_config
 n_rl, n_test = 400, 200  # the math task: RL prompts (a pool SFT never sees), held-out problems (fixed)
 n_prompts, n_samples = 16, 8  # groups per step (all DP ranks together), samples per prompt
-max_prompt_len = 1024
-max_new_tokens = 64
+max_prompt_len, max_new_tokens = 1024, 64
 temperature, top_p = 1.0, 1.0
 eval_temperature, eval_top_p = 1.0, 1.0
 # GRPO
@@ -102,8 +100,7 @@ lr = 1e-4  # the micro base's (3e-4 and up undo it in a few steps); RL on a larg
 trainable = 'all'  # 'all' | 'io' (embeddings, output head, final norms: for a model whose body is random)
 lr_schedule = 'constant'  # 'constant' | 'cosine'
 warmup_steps, min_lr_ratio = 0, 0.1
-weight_decay = 0.0
-grad_clip = 1.0
+weight_decay, grad_clip = 0.0, 1.0
 eps_low, eps_high = 0.2, 0.28  # clip-higher (DAPO): the ratio's clip range is [1 - eps_low, 1 + eps_high]
 tis_cap = 2.0  # 0 turns truncated importance sampling off
 kl_coef, entropy_coef = 0.0, 0.0
