@@ -327,6 +327,7 @@ if __name__ == "__main__":
     ap.add_argument("--n_prompts", type=int, default=8)
     ap.add_argument("--prompts", default="random", choices=["random", "toy", "math"],
                     help="random ids, the toy task's prompts, or the math task's held-out problems (a base's task)")
+    ap.add_argument("--math", default="2,1", help="--prompts math: operations per problem, digits per operand (a base's task)")
     ap.add_argument("--replay", default="none", choices=[*MODES, "all"],
                     help="re-score through the engine's experts (routing) and indexer picks (both), or each in turn")
     ap.add_argument("--max_new_tokens", type=int, default=48)
@@ -357,7 +358,8 @@ if __name__ == "__main__":
         prompts = [prompt_ids(load_tokenizer("bytes"), p["prompt"]) for p in toy_problems()] * (a.n_prompts // 10 + 1)
         prompts = prompts[:a.n_prompts]
     if a.prompts == "math":
-        prompts = [prompt_ids(load_tokenizer("bytes"), p["prompt"]) for p in math_problems("test", a.n_prompts)]
+        prompts = [prompt_ids(load_tokenizer("bytes"), p["prompt"]) for p in math_problems(
+            "test", a.n_prompts, steps=int(a.math.split(",")[0]), digits=int(a.math.split(",")[1]))]
     tok = load_tokenizer(a.tokenizer) if a.tokenizer else None
     decode = (lambda ids: repr(tok.decode(ids))) if a.tokenizer else None
 

@@ -215,12 +215,19 @@ random.Random(seed).shuffle(order)
 my_stream = order[grid.dp_rank::grid.dp_size]  # this DP rank's prompts, in order, cycled
 cursor = 0  # position in my_stream (saved in checkpoints)
 encode = lambda p: prompt_ids(tok, p['prompt'])[-max_prompt_len:]
+start_step, weight_version = 0, 0  # the embedded server starts from the trainer's weights, labelled with their version
+if resume_dir:
+    st = faults.load_state(resume_dir, grid)
+    opt.load_state_dict(st['opt'])
+    cursor, start_step, weight_version = st['cursor'], st['step'] + 1, st['weight_version']
+    print0(f"resumed from {resume_dir} at step {start_step} (the newest complete checkpoint; ignoring incomplete "
+           f"{faults.checkpoints(out_dir)[1]})")
 
 # -----------------------------------------------------------------------------
 # rollout servers: the given URLs, or the embedded server started here (stopped on exit, crash included)
 sync_dir = os.path.join(out_dir, 'weights')
 os.makedirs(out_dir, exist_ok=True)
-server, external, weight_version = None, bool(rollout_url), 0
+server, external = None, bool(rollout_url)
 if not external:
     wsync.save_weights(model, grid, sync_dir, args, quant=rollout_quant)  # the server starts from the trainer's weights
     if master:
@@ -311,14 +318,6 @@ def save_checkpoint(step):
     faults.save_checkpoint(out_dir, step, lambda d: wsync.save_weights(model, grid, d, args), faults.trainer_state(
         step, opt, cursor=cursor, weight_version=weight_version), grid, config, keep_checkpoints)
 
-
-start_step = 0
-if resume_dir:
-    st = faults.load_state(resume_dir, grid)
-    opt.load_state_dict(st['opt'])
-    cursor, start_step, weight_version = st['cursor'], st['step'] + 1, st['weight_version']
-    print0(f"resumed from {resume_dir} at step {start_step} (the newest complete checkpoint; ignoring incomplete "
-           f"{faults.checkpoints(out_dir)[1]})")
 
 # -----------------------------------------------------------------------------
 # wandb (optional), weight sync, the held-out eval, the step's end

@@ -15,22 +15,22 @@ compile = 'off'
 
 weight_sync = 'tensor'  # the embedded server on the same GPU reads the trainer's buckets through CUDA IPC
 rollout_quant = 'none'  # --rollout_quant=fp8 for the seed's own setting
-rollout_max_batch = 512
+rollout_max_batch = 1024  # a step's 512 samples in one wave, an eval's 1600 in two
 
 data, eval_data = 'math', 'math'
 math_steps, math_digits, math_ops, math_words = 3, 2, '+-', 0.0  # as in sft_config
 n_rl, n_test = 4000, 200
 n_prompts, n_samples = 64, 8
-max_new_tokens = 160
+max_prompt_len, max_new_tokens = 64, 160  # prompts are <= 16 bytes, worked solutions <= 128
 n_microbatches = 4
 
 # DAPO: clip-higher, dynamic sampling, token-level loss, truncated importance sampling; no KL, no entropy bonus
-lr = 2e-5
+lr = 3e-5
 eps_low, eps_high = 0.2, 0.28
-dynamic_sampling, max_sampling_rounds = True, 4
+dynamic_sampling, max_sampling_rounds = True, 2  # each round costs a whole decode's latency
 loss_agg = 'token_mean'
 tis_cap = 2.0
 
-eval_interval = 20
+eval_interval = 25
 eval_n_samples = 8
 checkpoint_interval, keep_checkpoints = 10, 2

@@ -22,7 +22,7 @@ math_teacher_error = 0.5
 batch_size = 256
 n_microbatches = 2
 
-lr = 1e-3
+lr = 8e-4
 lr_schedule = 'linear'
 warmup_steps = 50
 min_lr_ratio = 0.1
