@@ -337,6 +337,7 @@ if __name__ == "__main__":
     ap.add_argument("--engine_path", default="cache", choices=["cache", "forward"], help="--layers: engine side runs")
     ap.add_argument("--tol", type=float, default=1e-3, help="--layers: relative error that counts as parting")
     ap.add_argument("--inject_bug", type=int, default=-1, help="engine side: layer whose mHC comb is untransposed")
+    ap.add_argument("--device", default="", help="'' = cuda when there is a GPU (the rank's own under torchrun), else cpu")
     ap.add_argument("--pp", type=int, default=1, help="under torchrun: the trainer as pp stages (parallel.py)")
     ap.add_argument("--ep", type=int, default=1, help="under torchrun: experts sharded over ep ranks")
     a = ap.parse_args()
@@ -351,6 +352,7 @@ if __name__ == "__main__":
         base = from_pretrained(a.init_from, dtype=torch.float32)
     else:
         base = wide_init_(Transformer(ModelArgs.from_json(a.config), dtype=torch.float32), seed=a.seed)
+    base.to(grid.device if grid else a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     g = torch.Generator().manual_seed(a.seed)
     lengths = torch.randint(4, 65, (a.n_prompts,), generator=g).tolist()
     prompts = [torch.randint(2, base.args.vocab_size, (n,), generator=g).tolist() for n in lengths]
