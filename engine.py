@@ -95,7 +95,8 @@ class Engine:
         self.device = next(model.parameters()).device
         self.max_batch, self.max_len = max_batch, max_len
         # the batch sizes decode runs at on a GPU (CUDA graphs): a batch takes the smallest bucket that holds it
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < max_batch] + [max_batch]
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768) if b < max_batch]
+        self.buckets += [max_batch]
         self.module_of = dict(model.named_modules())  # for load_weights: the module tree is fixed once built
         # batch bucket -> CUDA graph of _decode; graphs need its sync-free path: fast kernels (grouped GEMM
         # experts, which CUDA runs in bf16) and no FP8 emulation
@@ -229,6 +230,11 @@ class Engine:
     def _admit(self):
         with self.wake:
             free = [s for s in range(self.max_batch) if s not in self.running]
+            # each admission is a prefill, and the host waits for its first tokens: while others decode, a batch
+            # whose sequences finish one by one admits once an eighth of it is free (or all that wait fit), not
+            # at every step
+            if self.running and len(free) < min(len(self.waiting), max(1, self.max_batch // 8)):
+                return
             batch = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
         if not batch:
             return

@@ -86,6 +86,7 @@ weight_sync_flatten = True  # distributed, tensor: a bucket as one tensor of its
 weight_sync_verify = False  # after each sync, check every tensor's first rows on every server against what was sent
 rollout_quant = 'none'  # 'none' | 'fp8' | 'fp8_fp4': what the rollout engine serves
 rollout_max_batch = 128  # sequences a server decodes at once: a step's 16 x 8 samples in one batch
+rollout_concurrency = 0  # /generate requests in flight per server; 0: max(256, rollout_max_batch)
 # data and sampling
 data = 'math'  # 'math' (tasks.py: RL prompts), 'toy', a .jsonl / .parquet path, or a hub dataset name
 eval_data = 'math'  # 'math': the task's fixed held-out set of n_test problems
@@ -127,7 +128,7 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
     for _k, _least in dict(n_prompts=1, n_samples=1, max_prompt_len=1, max_new_tokens=1, n_microbatches=1,
                            n_minibatches=1, rollout_max_batch=1, pp_size=1, ep_size=1, eval_n_samples=1,
                            max_sampling_rounds=1, max_steps=0, warmup_steps=0, eval_interval=0, n_rl=1, n_test=1,
-                           checkpoint_interval=0, eval_limit=0, watchdog_s=0, overlong_buffer=0,
+                           checkpoint_interval=0, eval_limit=0, watchdog_s=0, overlong_buffer=0, rollout_concurrency=0,
                            weight_sync_bucket_mb=1e-6).items():
         if globals()[_k] < _least:  # a zero batch divides by zero, a zero-row server never schedules
             raise ValueError(f"{_k}={globals()[_k]!r}: must be {'positive' if _least else 'at least 0'}")
@@ -237,7 +238,9 @@ if not external:
                                 + ['--kernels', ','.join(kernel_paths) or 'reference']).start(str(weight_version))
         rollout_url = server.url
     rollout_url = parallel.broadcast_object(rollout_url, 0, grid.world_group, 'rollout url')
-client = RolloutClient(rollout_url, api_key=rollout_api_key or None, timeout=rollout_timeout)
+# fewer requests in flight than a server's batch would decode a step's samples in waves, each as long as the longest
+client = RolloutClient(rollout_url, api_key=rollout_api_key or None, timeout=rollout_timeout, max_concurrency=(
+    rollout_concurrency or max(256, rollout_max_batch)) * len(rollout_url.split(',')))
 
 
 def servers_ready():

@@ -79,6 +79,24 @@ def test_continuous_batching_admits_mid_flight():
         assert r.output_ids == want
 
 
+def test_admission_waits_for_an_eighth_of_the_batch():
+    """16 slots for 40 requests that finish one by one: while others decode, a prefill admits at least 2 (an
+    eighth of the batch) unless fewer wait, and the tokens are those of a batch that holds every request at once."""
+    model = model_of(TINY)
+    prompts = [[2 + i % 50, 3 + i // 50, 7] for i in range(40)]
+    params = [SamplingParams(max_new_tokens=1 + i % 13, ignore_eos=True, seed=i) for i in range(40)]
+    engine, admitted = Engine(model, max_batch=16, max_len=64), []
+    prefill = engine.prefill
+    engine.prefill = lambda slots, ps: admitted.append((len(slots), len(engine.running), len(engine.waiting))) or \
+        prefill(slots, ps)
+    reqs = engine.generate(prompts, params)
+    mid = [(n, waiting) for n, running, waiting in admitted if running]
+    assert len(mid) >= 3 and all(n >= min(2, n + waiting) for n, waiting in mid), admitted
+    assert any(n < 16 for n, _ in mid)  # the chunks are not whole batches: the slots are reused mid-flight
+    at_once = Engine(model, max_batch=64, max_len=64).generate(prompts, params)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in at_once]
+
+
 def test_sampling_semantics():
     model = model_of(TINY)
     engine = Engine(model, max_batch=8, max_len=128)
