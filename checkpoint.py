@@ -1,9 +1,8 @@
 """
-Checkpoints in the official layout: config.json, safetensors shards and their index, tensors under the official
-names that model_dsv4.py's parameters carry (so the name table is the identity). Reading also takes what
-transformers' save_pretrained writes (its `model.` prefix and renames undone) and dequantises the official FP8
-(e4m3 + .scale) and packed FP4 tensors to fp32. train_grpo.py's own checkpoints (optimizer, RNG, cursor) add
-their files beside these.
+Checkpoints in the official layout: config.json, safetensors shards and their index, tensors under the official names
+that model_dsv4.py's parameters carry (so the name table is the identity). Reading also takes what transformers'
+save_pretrained writes (its `model.` prefix and renames undone) and dequantises the official FP8 (e4m3 + .scale) and
+packed FP4 tensors to fp32. train_grpo.py's own checkpoints (optimizer, RNG, cursor) add their files beside these.
 """
 import functools
 import glob
@@ -14,6 +13,7 @@ import re
 import torch
 
 from model_dsv4 import FP32_NAMES, ModelArgs, Transformer
+from quant import dequantize, scale_name
 
 
 def save_pretrained(model, path, dtype=None, shard_bytes=4 << 30):
@@ -71,32 +71,26 @@ def checkpoint_index(path):
 
 
 def load_state_dict(path, names=None):
-    """Tensors of a checkpoint directory by official name (all, or just `names`), with FP8 weights (.scale)
-    and packed FP4 routed experts dequantised to fp32. Only the requested tensors are read."""
+    """Tensors of a checkpoint directory by official name (all, or just `names`; the caller reports missing ones), with
+    FP8 weights (.scale) and packed FP4 routed experts dequantised to fp32. Only the requested tensors are read."""
     from safetensors import safe_open
-    from quant import dequantize
     index = checkpoint_index(path)
     names = [k for k in index if not (k.endswith(".scale") and k[:-5] + "weight" in index)] if names is None else names
     handles, sd = {}, {}
     read = lambda k: handles.setdefault(index[k][0], safe_open(index[k][0], framework="pt")).get_tensor(index[k][1])
-    for k in names:
-        if k not in index:
-            continue  # the caller reports what is missing
-        v = read(k)
-        scale_name = k[:-len("weight")] + "scale" if k.endswith(".weight") else None
-        if scale_name in index:
+    for k in [k for k in names if k in index]:
+        sd[k] = read(k)
+        if k.endswith(".weight") and scale_name(k) in index:
             try:
-                v = dequantize(v, read(scale_name))
+                sd[k] = dequantize(sd[k], read(scale_name(k)))
             except ValueError as e:
                 raise ValueError(f"{k}: {e}")
-        sd[k] = v
     return sd
 
 
 def load_weights(model, path, strict=True, device="cpu"):
-    """Fill a (meta or real) model, whole or one stage / expert shard, from a checkpoint directory, onto
-    `device`. Missing or mis-shaped tensors are an error that lists them; with strict, so are tensors the
-    model has no place for."""
+    """Fill a (meta or real) model, whole or one stage / expert shard, from a checkpoint directory, onto `device`.
+    Missing or mis-shaped tensors are an error that lists them; with strict, so are tensors the model has no use for."""
     expected = model.state_dict()
     sd = load_state_dict(path, list(expected))
     missing = sorted(set(expected) - set(sd))
@@ -114,8 +108,8 @@ def load_weights(model, path, strict=True, device="cpu"):
 
 
 def from_pretrained(path, device=None, dtype=None) -> Transformer:
-    """Build from config.json and load the weights (see load_weights for the errors). A checkpoint without
-    mtp.* tensors (transformers writes none) loads without the MTP layer."""
+    """Build from config.json and load the weights (see load_weights for the errors). A checkpoint without mtp.* tensors
+    (transformers writes none) loads without the MTP layer."""
     args = ModelArgs.from_json(os.path.join(path, "config.json"))
     if args.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in checkpoint_index(path)):
         print(f"{path}: no mtp.* tensors, loading without the MTP layer")

@@ -11,35 +11,34 @@ Trainer vs rollout engine: the logprobs of the same tokens, and where two implem
     python compare_logprobs.py --table --replay all --init_from out/base --prompts math   # routing / indexer replay
     torchrun --nproc_per_node=4 compare_logprobs.py --pp 2 --ep 2   # the trainer as a PP x EP layout (parallel.py)
 
-The engine samples (the embedded Engine in this process, or any SGLang-compatible server through RolloutClient);
-the trainer re-scores the same tokens with a plain forward. Reported over the generated tokens:
-mean / p99 / max |logp_trainer - logp_engine|, the k3 estimate of KL(engine || trainer) that Miles logs as
-train_rollout_kl, the first generated token (the engine's prefill) against the rest (its KV-cache decode),
-and the worst tokens with their context. --replay (routing, both: replay.py) re-scores through the experts (and the
-CSA indexer's picks) the engine recorded, and adds the share of (token, layer) pairs whose expert set the trainer's own
-routers pick otherwise (in a replaying forward: Gate.forward's count, as train_grpo's routing_disagree), and of
-(token, CSA layer) rows and of single picks where its indexers do (those not replayed).
+The engine samples (the embedded Engine in this process, or any SGLang-compatible server through RolloutClient); the
+trainer re-scores the same tokens with a plain forward. Reported over the generated tokens: mean / p99 / max
+|logp_trainer - logp_engine|, the k3 estimate of KL(engine || trainer) that Miles logs as train_rollout_kl, the first
+generated token (the engine's prefill) against the rest (its KV-cache decode), and the worst tokens with their context.
+--replay (routing, both: replay.py) re-scores through the experts (and the CSA indexer's picks) the engine recorded, and
+adds the share of (token, layer) pairs whose expert set the trainer's own routers pick otherwise (in a replaying
+forward: Gate.forward's count, as train_grpo's routing_disagree), and of (token, CSA layer) rows and of single picks
+where its indexers do (those not replayed).
 
 Precisions, for either side:
   fp32, bf16  the model as is;
-  fp8         bf16, plus every FP8 linear's weight through quant.py's 128x128 block round trip (what an FP8
-              server dequantises: wq_a, wq_b, wkv, wo_a, wo_b, indexer wq_b, shared and routed experts, MTP
-              projections; routed experts in FP8 as in the FP8 repack SGLang serves), plus
-              set_fp8_emulation(True): FP8 activations into those linears (not wo_a), the KV FP8 round trip on
-              the non-RoPE dims, the indexer's Hadamard + FP4;
+  fp8         bf16, plus every FP8 linear's weight through quant.py's 128x128 block round trip (what an FP8 server
+              dequantises: wq_a, wq_b, wkv, wo_a, wo_b, indexer wq_b, shared and routed experts, MTP projections;
+              routed experts in FP8 as in the FP8 repack SGLang serves), plus set_fp8_emulation(True): FP8
+              activations into those linears (not wo_a), the KV FP8 round trip on the non-RoPE dims, the indexer's
+              Hadamard + FP4;
   fp8_fp4     fp8 with the routed experts through the FP4 (e2m1, group 32) round trip instead;
   fp32_emu    fp32 weights as they are, with set_fp8_emulation(True): the emulation without any bf16.
-An fp8 trainer gets the same rounded weights as an fp8 engine (dequantising FP8 is exact, spec §2.7): the
-aligned pair. A bf16 trainer against an fp8 engine keeps its own weights: the usual FP8-rollout setup.
+An fp8 trainer gets the same rounded weights as an fp8 engine (dequantising FP8 is exact, spec §2.7): the aligned pair.
+A bf16 trainer against an fp8 engine keeps its own weights: the usual FP8-rollout setup.
 
---layers records per-layer hidden states with forward hooks (and wrappers around each block's hc_pre/hc_post,
-so the mHC streams are included), token by token: the trainer side runs one full forward, the engine side
-prefills the prompt and decodes the rest through its KV cache (or --engine_path forward: a second full
-forward, to compare precisions alone). It prints the relative error of every recorded module in execution
-order and the first one above --tol.
+--layers records per-layer hidden states with forward hooks (and wrappers around each block's hc_pre/hc_post, so the
+mHC streams are included), token by token: the trainer side runs one full forward, the engine side prefills the prompt
+and decodes the rest through its KV cache (or --engine_path forward: a second full forward, to compare precisions
+alone). It prints the relative error of every recorded module in execution order and the first one above --tol.
 
---invariant (model.set_invariant, on both sides) removes what makes a token's numbers depend on the path that
-computed it: every sum and transcendental function is taken in fp64 (dsv4_kernels.invariant.PathInvariant) and rounded as usual,
+--invariant (model.set_invariant, on both sides) removes what makes a token's numbers depend on the path that computed
+it: every sum and transcendental function is taken in fp64 (dsv4_kernels.invariant.PathInvariant) and rounded as usual,
 so an aligned pair then agrees bit for bit, on the CPU and on a GPU, and what remains of a gap is a recipe difference.
 """
 import argparse
@@ -59,22 +58,21 @@ from quant import FP8Linear, fp4_dequantize, fp4_quantize, fp8_block_dequantize,
 from tasks import load_tokenizer, math_problems, prompt_ids, toy_problems
 
 MODES = {"none": (), "routing": ("routed_experts",), "both": ("routed_experts", "indexer_topk")}  # --replay
+PRECISIONS = ("fp32", "bf16", "fp8", "fp8_fp4", "fp32_emu")  # --trainer, --engine: the module docstring says what
 
 # -----------------------------------------------------------------------------
 # models: one fp32 base, prepared per side
 
+@torch.no_grad()
 def wide_init_(model, head_scale=4.0, seed=0):
-    """From scratch, a random model whose next-token distributions are not flat: matrices ~ N(0, 1/fan_in)
-    (the 0.02 init gives near-uniform logits, where every logprob delta is tiny), the head scaled up."""
+    """From scratch, a random model whose next-token distributions are not flat: matrices ~ N(0, 1/fan_in) (the 0.02
+    init gives near-uniform logits, where every logprob delta is tiny), the head scaled up."""
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in model.named_parameters():
-            if t.dim() == 2 and not name.startswith("embed"):
-                t.copy_(torch.randn(t.shape, generator=g) / t.shape[1] ** 0.5 * (head_scale if name == "head.weight" else 1))
+    for name, t in model.named_parameters():
+        if t.dim() == 2 and not name.startswith("embed"):
+            scale = head_scale if name == "head.weight" else 1
+            t.copy_(torch.randn(t.shape, generator=g) / t.shape[1] ** 0.5 * scale)
     return model
-
-
-PRECISIONS = ("fp32", "bf16", "fp8", "fp8_fp4", "fp32_emu")
 
 
 def prepare(base, precision, invariant=False):
@@ -96,15 +94,14 @@ def to_precision(model, precision, invariant=False):
     model.set_dtype(torch.float32 if precision.startswith("fp32") else torch.bfloat16)
     if invariant:
         model.set_invariant()
-    model.set_fp8_emulation(precision == "fp32_emu")
+    model.set_fp8_emulation(precision != "bf16" and precision != "fp32")
     if precision.startswith("fp8"):
         for name, m in model.named_modules():
             if isinstance(m, FP8Linear) or name.endswith("attn.wo_a"):
-                if precision == "fp8_fp4" and ".experts." in name and ".shared_experts" not in name:
+                if precision == "fp8_fp4" and ".experts." in name:  # routed only: shared_experts has no ".experts."
                     m.weight.copy_(fp4_dequantize(*fp4_quantize(m.weight)))
                 else:
                     m.weight.copy_(fp8_block_dequantize(*fp8_block_quantize(m.weight)))
-        model.set_fp8_emulation(True)
     return model.eval()
 
 
@@ -125,8 +122,7 @@ def sample(engine_model, url, prompts, temperature, max_new_tokens, seed, record
     if url:
         from rollout import RolloutClient
         sp = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": True}
-        outs = RolloutClient(url).generate(prompts, 1, sp, seed=seed, desc="compare", replay=record)
-        samples = [o[0] for o in outs]
+        samples = [o[0] for o in RolloutClient(url).generate(prompts, 1, sp, seed=seed, desc="compare", replay=record)]
         shape = replay.columns(args, range(args.num_hidden_layers), record) if record else {}
         return ([(p, s["output_ids"], s["logprobs"]) for p, s in zip(prompts, samples)],
                 [{f: replay.sample_ids(s, f, len(p) + len(s["output_ids"]) - 1, shape[f][1], args) for f in record}
@@ -161,9 +157,8 @@ def trainer_logprobs(model, prompt, out_ids, temperature, grid=None, rec=None, s
 @torch.no_grad()
 def pick_disagreement(model, samples, records, fields):
     """The share of (token, layer) pairs whose expert set the trainer's routers pick otherwise than the engine's, of
-    (token, CSA layer) rows where its indexers pick another set, and of the engine's single indexer picks they miss,
-    in a forward that replays `fields` (a replaying router's own picks: Gate.forward's stats; a replaying indexer
-    picks nothing of its own: None)."""
+    (token, CSA layer) rows where its indexers pick another set, and of the engine's single indexer picks they miss, in
+    a forward that replays `fields` (a replaying router's own picks: Gate.forward's stats; replayed indexers: None)."""
     n = torch.zeros(6)  # experts: differ, rows; indexer: rows differ, rows, picks missed, picks
     for (p, o, _), rec in zip(samples, records):
         own, hooks, stats = {}, [], []
@@ -193,8 +188,7 @@ def pick_disagreement(model, samples, records, fields):
 
 
 def compare(scores, samples, temperature, n_worst=5, decode=None):
-    """The statistics of the module docstring, as a dict; prints the worst tokens. scores: the trainer's logprobs
-    of each sample's tokens (trainer_logprobs)."""
+    """The module docstring's statistics of scores (trainer_logprobs per sample), as a dict; prints the worst tokens."""
     rows = [(i, j, lt, le) for i, ((p, o, lp), s) in enumerate(zip(samples, scores))
             for j, (lt, le) in enumerate(zip(s.tolist(), lp))]
     lt, le = torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows])
@@ -203,7 +197,7 @@ def compare(scores, samples, temperature, n_worst=5, decode=None):
     res = {"tokens": len(rows), "mean": d.mean().item(), "p99": d.quantile(0.99).item(), "max": d.max().item(),
            "kl_k3": (log_ratio.exp() - 1 - log_ratio).mean().item(), "first": d[first].mean().item(),
            "rest": d[~first].mean().item() if (~first).any() else float("nan"), "mean_logp": lt.mean().item()}
-    decode = decode or (lambda ids: str(ids))
+    decode = decode or str
     print(f"worst {n_worst} tokens (sample, position in the completion, token, trainer, engine, context):")
     for k in d.topk(min(n_worst, len(rows))).indices.tolist():
         i, j, a, b = rows[k]
@@ -222,15 +216,14 @@ def line(name, r):
 # --layers: hidden states per layer and module, by token position
 
 class Trace:
-    """Records, per module name, the output row of every token position it processed. Forward hooks on the
-    modules both paths call (attention projections, MoE), wrappers around hc_pre (whose output is the sublayer's
-    normed input: the norm is in the decode's hc_pre kernel) / hc_post (methods, not modules) and logits. The
-    driver sets `pos`, the positions of the tokens of the next call, and calls close() after the run, which puts the
-    model back as it was."""
+    """Records, per module name, the output row of every token position it processed. Forward hooks on the modules
+    both paths call (attention projections, MoE), wrappers around hc_pre (whose output is the sublayer's normed input:
+    the norm is in the decode's hc_pre kernel) / hc_post (methods, not modules) and logits. `pos`: the positions of the
+    tokens of the next call, which the driver updates; close() after the run puts the model back as it was."""
     MODULES = ("attn.wq_a", "attn.wkv", "attn.wo_b", "ffn")
 
-    def __init__(self, model):
-        self.rec, self.pos, self.handles, self.model = {}, None, [], model
+    def __init__(self, model, pos):
+        self.rec, self.pos, self.handles, self.model = {}, pos, [], model
         self.saved = [(blk, blk.hc_pre, blk.hc_post) for blk in model.layers.values()] + [(model, model.logits)]
         for i, blk in model.layers.items():
             for name in self.MODULES:
@@ -270,9 +263,8 @@ class Trace:
 
 @torch.no_grad()
 def trace_forward(model, ids):
-    t = Trace(model)
-    t.pos = list(range(len(ids)))
-    model(torch.tensor(ids)[None])
+    t = Trace(model, list(range(len(ids))))
+    model(torch.tensor(ids, device=next(model.parameters()).device)[None])
     t.close()
     return t.rec
 
@@ -281,8 +273,7 @@ def trace_forward(model, ids):
 def trace_engine(model, ids, n_prompt):
     """Prefill ids[:n_prompt], then decode ids[n_prompt:] one token at a time through the KV cache."""
     engine = Engine(model, max_batch=1, max_len=len(ids) + 8)
-    t = Trace(model)
-    t.pos = list(range(n_prompt))
+    t = Trace(model, list(range(n_prompt)))
     engine.prefill([0], [ids[:n_prompt]])
     for p in range(n_prompt, len(ids)):
         t.pos = [p]
@@ -348,22 +339,19 @@ if __name__ == "__main__":
     assert grid is None or not a.layers, "--layers hooks one process's model: run it without torchrun"
 
     torch.manual_seed(a.seed)
-    if a.init_from:
-        base = from_pretrained(a.init_from, dtype=torch.float32)
-    else:
-        base = wide_init_(Transformer(ModelArgs.from_json(a.config), dtype=torch.float32), seed=a.seed)
+    base = (from_pretrained(a.init_from, dtype=torch.float32) if a.init_from
+            else wide_init_(Transformer(ModelArgs.from_json(a.config), dtype=torch.float32), seed=a.seed))
     base.to(grid.device if grid else a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     g = torch.Generator().manual_seed(a.seed)
     lengths = torch.randint(4, 65, (a.n_prompts,), generator=g).tolist()
     prompts = [torch.randint(2, base.args.vocab_size, (n,), generator=g).tolist() for n in lengths]
-    if a.prompts == "toy":  # what a model trained by `python train_grpo.py` was trained on
-        prompts = [prompt_ids(load_tokenizer("bytes"), p["prompt"]) for p in toy_problems()] * (a.n_prompts // 10 + 1)
-        prompts = prompts[:a.n_prompts]
-    if a.prompts == "math":
-        prompts = [prompt_ids(load_tokenizer("bytes"), p["prompt"]) for p in math_problems(
-            "test", a.n_prompts, steps=int(a.math.split(",")[0]), digits=int(a.math.split(",")[1]))]
+    if a.prompts != "random":  # a task's prompts, as a base trained by train_sft.py / train_grpo.py reads them
+        steps, digits = map(int, a.math.split(","))
+        probs = (toy_problems() * (a.n_prompts // 10 + 1) if a.prompts == "toy"
+                 else math_problems("test", a.n_prompts, steps=steps, digits=digits))
+        prompts = [prompt_ids(load_tokenizer("bytes"), p["prompt"]) for p in probs[:a.n_prompts]]
     tok = load_tokenizer(a.tokenizer) if a.tokenizer else None
-    decode = (lambda ids: repr(tok.decode(ids))) if a.tokenizer else None
+    decode = (lambda ids: repr(tok.decode(ids))) if tok else None
 
     pairs = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")] if a.table else [(a.trainer, a.engine)]
     if a.table and a.rollout_url:  # the server's precision is its own: the trainer's vary

@@ -74,11 +74,10 @@ def math_reward(response, ground_truth):
     """1.0 if the response's final answer matches ground_truth, else 0.0. DAPO scores ±1 = 2 * (0/1) - 1: GRPO's
     group normalisation (r - mean) / std makes the two identical, and without the std they differ by a factor 2
     only. But an overlong penalty added on top weighs twice as much against 0/1. 0/1 doubles as accuracy."""
-    pred = extract_answer(response)
-    if pred is None:
+    if (pred := extract_answer(response)) is None:
         return 0.0
-    p, g = normalize_answer(pred), normalize_answer(ground_truth)
-    if p == g:  # integers are canonical after normalize_answer, so this is also the int() comparison
+    g = normalize_answer(ground_truth)
+    if normalize_answer(pred) == g:  # integers are canonical after normalize_answer: also the int() comparison
         return 1.0
     if INT_RE.fullmatch(g):  # integer truth (all of DAPO and AIME): the string rule decides, no sympy
         return 0.0
@@ -95,8 +94,8 @@ def math_reward(response, ground_truth):
 
 
 def overlong_penalty(n_tokens, max_tokens, buffer, factor=1.0):
-    """DAPO's soft overlong punishment, added to the reward: 0 up to max_tokens - buffer, then linear down to
-    -factor at max_tokens. buffer=0 turns it off."""
+    """DAPO's soft overlong punishment, added to the reward: 0 up to max_tokens - buffer, then linear down to -factor
+    at max_tokens. buffer=0 turns it off."""
     exceed = n_tokens - (max_tokens - buffer)
     return -exceed / buffer * factor if buffer > 0 and exceed > 0 else 0.0
 
@@ -155,11 +154,10 @@ def _read_rows(source, split, key):
 
 
 def load_problems(source, split="train", template=DAPO_TEMPLATE, limit=None, key="data"):
-    """[{"id", "prompt", "answer", "problem"}] from a .jsonl, a .parquet or a hub dataset name, in one of three
-    schemas: flat {problem, answer}; slime {prompt: [chat], label}; verl/DAPO {prompt: [chat],
-    reward_model.ground_truth, extra_info}. A chat prompt is already templated and is used as is; a bare problem
-    goes into `template`. Duplicates are dropped: the hub DAPO-Math-17k repeats each problem ~100 times. key: the
-    config key that named the source, for the error when it cannot be read."""
+    """[{"id", "prompt", "answer", "problem"}] from a .jsonl, a .parquet or a hub dataset name, in one of three schemas:
+    flat {problem, answer}; slime {prompt: [chat], label}; verl/DAPO {prompt: [chat], reward_model.ground_truth,
+    extra_info}. A chat prompt is used as is (it is templated); a bare problem goes into `template`. Duplicates are
+    dropped (the hub DAPO-Math-17k repeats each ~100 times). key: the config key that named the source, for errors."""
     rows = _read_rows(source, split, key)
     first = rows[0] if len(rows) else {}  # the schema is read off the first row, as parquet columns are uniform
     chat = isinstance(first.get("prompt"), list)
@@ -170,8 +168,7 @@ def load_problems(source, split="train", template=DAPO_TEMPLATE, limit=None, key
         raise ValueError(f"{source}: missing field 'answer', 'label' or 'reward_model' (has {sorted(first)})")
     records, seen, n_skipped = [], set(), 0
     for i, row in enumerate(rows):
-        extra = row.get("extra_info") or {}
-        answer = row.get(answer_key)
+        extra, answer = row.get("extra_info") or {}, row.get(answer_key)
         answer = (answer or {}).get("ground_truth") if answer_key == "reward_model" else answer
         if answer is None or str(answer).strip() == "":
             n_skipped += 1
@@ -199,8 +196,8 @@ def load_problems(source, split="train", template=DAPO_TEMPLATE, limit=None, key
 
 def evaluate(client, tokenizer, problems, n_samples, sampling, seed=0, chat=True, desc="eval"):
     """-> {"pass@1", "pass@2", ..., "mean_len", "truncation_rate", "format_rate", "n_problems", "per_problem": [...]}.
-    format_rate: the share of samples whose extracted answer is a plain integer, right or wrong (a base that cannot
-    write the answer line scores 0 however well it computes)."""
+    format_rate: the share of samples whose extracted answer is a plain integer, right or wrong (a base that can't write
+    the answer line scores 0 however well it computes)."""
     from tasks import prompt_ids  # the same prompt formatting as training
     outs = client.generate([prompt_ids(tokenizer, p["prompt"], chat=chat) for p in problems], n_samples, sampling,
                            seed=seed, desc=desc)
@@ -245,9 +242,7 @@ if __name__ == "__main__":
     ap.add_argument("--no_chat", action="store_true", help="raw prompt, no DeepSeek chat formatting")
     a = ap.parse_args()
     probs = toy_problems() if a.data == "toy" else load_problems(a.data, split="test")
-    probs = probs[:a.limit] if a.limit else probs
-    tok = load_tokenizer(a.tokenizer)
-    res = evaluate(RolloutClient(a.rollout_url), tok, probs, a.n_samples,
+    res = evaluate(RolloutClient(a.rollout_url), load_tokenizer(a.tokenizer), probs[:a.limit or None], a.n_samples,
                    dict(temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens), a.seed,
                    chat=not a.no_chat and a.data != "toy")
     print(f"{'problem':>14s} {'answer':>8s} correct  sampled answers")

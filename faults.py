@@ -28,6 +28,7 @@ import torch
 
 import parallel
 
+RANK_FILE = "trainer_rank{:05d}-of-{:05d}.pt"  # a rank's optimizer / RNG / cursor file in a checkpoint (rank, world)
 
 class Watchdog:
     """arm(what) at the start of a step, disarm() at its end; off when seconds is 0."""
@@ -59,10 +60,9 @@ class Watchdog:
 
 
 class Preemption:
-    """SIGTERM and SIGINT set `signum`. Before the loop (defer False) they exit at once: there is nothing to
-    save. In the loop the trainer finishes the step, agrees with the other ranks (one of them may be the only
-    one signalled), writes a checkpoint and exits 128 + signum. A second signal exits at once: the newest
-    complete checkpoint stays the resume point."""
+    """SIGTERM and SIGINT set `signum`. Before the loop (defer False) they exit at once: there is nothing to save. In
+    the loop the trainer finishes the step, agrees with the other ranks (one of them may be the only one signalled),
+    writes a checkpoint and exits 128 + signum. A second signal exits at once: the newest complete checkpoint stays."""
 
     def __init__(self):
         self.signum, self.defer = 0, False
@@ -76,10 +76,9 @@ class Preemption:
         print(f"got {signal.Signals(signum).name}: stopping after this step, with a checkpoint", file=sys.stderr,
               flush=True)
 
-
     def safe_point(self, grid, step, save):
-        """The end of a step, on every rank: when a signal reached any rank, every rank saves (save(); None when
-        the step has saved already) and exits 128 + signum."""
+        """The end of a step, on every rank: when a signal reached any rank, every rank saves (save(); None when the
+        step has saved already) and exits 128 + signum."""
         sig = int(parallel.all_reduce(torch.tensor(float(self.signum), device=grid.device), grid.world_group,
                                       "preemption flag", op=torch.distributed.ReduceOp.MAX))
         if sig:
@@ -129,7 +128,7 @@ def save_checkpoint(out_dir, step, save_weights, state, grid, config, keep):
     final = os.path.join(out_dir, f"ckpt_{step:06d}")
     tmp = final + ".tmp"
     save_weights(tmp)
-    torch.save(state, os.path.join(tmp, f"trainer_rank{grid.rank:05d}-of-{grid.world_size:05d}.pt"))
+    torch.save(state, os.path.join(tmp, RANK_FILE.format(grid.rank, grid.world_size)))
     parallel.barrier(grid.world_group, f"checkpoint {step} written")
     if grid.rank == 0:
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -150,25 +149,21 @@ def checkpoints(out_dir):
     return done, [d for d in names if d not in done]
 
 
-def load_state(ckpt, grid):
-    """This rank's trainer state of a checkpoint (save_checkpoint's `state`), its RNGs restored."""
-    st = torch.load(rank_file(ckpt, grid.rank, grid.world_size), weights_only=True)
-    torch.set_rng_state(st["torch_rng"])
-    random.setstate((3, tuple(st["py_rng"]), None))
-    return st
-
-
 def trainer_state(step, opt, **extra):
     """What a rank saves beside the weights: the optimizer, the RNGs, the step, and the caller's extras."""
     return {"opt": opt.state_dict(), "torch_rng": torch.get_rng_state(), "py_rng": list(random.getstate()[1]),
             "step": step, **extra}
 
 
-def rank_file(ckpt, rank, world_size):
-    """This rank's optimizer / RNG / cursor file of a checkpoint; a SystemExit naming the layout when it has none."""
-    path = os.path.join(ckpt, f"trainer_rank{rank:05d}-of-{world_size:05d}.pt")
+def load_state(ckpt, grid):
+    """This rank's trainer state of a checkpoint (trainer_state's dict), its RNGs restored; a SystemExit naming the
+    layout when the checkpoint has no file for this rank (the optimizer state is per rank)."""
+    path = os.path.join(ckpt, RANK_FILE.format(grid.rank, grid.world_size))
     if not os.path.exists(path):
         written = json.load(open(os.path.join(ckpt, "meta.json"))).get("world_size")
-        raise SystemExit(f"error: {ckpt} was written by {written} ranks, this run has {world_size}: resume with the "
-                         f"same layout (the optimizer state is per rank)")
-    return path
+        raise SystemExit(f"error: {ckpt} was written by {written} ranks, this run has {grid.world_size}: resume with "
+                         f"the same layout (the optimizer state is per rank)")
+    st = torch.load(path, weights_only=True)
+    torch.set_rng_state(st["torch_rng"])
+    random.setstate((3, tuple(st["py_rng"]), None))
+    return st

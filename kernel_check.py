@@ -1,10 +1,10 @@
 """
 kernels='auto', a default that checks itself. The fast paths of dsv4_kernels/ were written for and measured on an
-NVIDIA H200. ROCm builds (AMD MI355X, the seed run's GPU) answer torch.cuda too, and nothing here has run them there.
-So at start each path runs once on this device, on a small model of the run's widths, against the plain reference
-beside it in the model. The paths that run and agree stay on, the others fall back to the reference, and one line
-says which are on and why the others are off. kernels='fast' takes every path unchecked, 'reference' none, and a
-comma-separated list takes the paths it names (the trainer hands its verdict to the embedded server that way).
+NVIDIA H200; ROCm builds (AMD MI355X, the seed run's GPU) answer torch.cuda too, and nothing here has run there. So at
+start each path runs once on this device, on a small model of the run's widths, against the plain reference beside it
+in the model: those that run and agree stay on, the others fall back to the reference, and one line says which are on
+and why the others are off. kernels='fast' takes every path unchecked, 'reference' none, and a comma-separated list the
+paths it names (the trainer hands its verdict to the embedded server that way).
 
 The paths, by mechanism (model_dsv4.KERNEL_PATHS, the names Transformer.set_kernels takes):
   gemm_f32          bf16 GEMMs with an fp32 result, torch.mm(..., out_dtype=) (router, compressors, indexer, head,
@@ -18,32 +18,31 @@ The paths, by mechanism (model_dsv4.KERNEL_PATHS, the names Transformer.set_kern
   sampling          the engine's sampler in Triton
 
 The check. A model with one trunk layer for each attention kind of the run's (window, CSA, HCA), at the run's widths
-and in its dtype, with at most 8 experts, a 512-token vocabulary and random weights. Each path is switched on alone
-and held to all paths off: the training forward and backward (the logits and every gradient), then two prompts
-prefilled and 4 decode steps through the KV cache that complete a compressed window of every ratio (each step's
-logits). Every layer routes by hash and the indexer keeps every entry, so no near-tie at a top-k cut can pick
-differently on the two sides. gemm_f32 goes first; the others then run with its verdict, as they will in the run.
-routing and sampling also run alone at the run's expert count and vocabulary: the learned router (and the hash
-table) on 64 tokens, the sampler on 8 rows, greedy and sampled.
+and in its dtype, with at most 8 experts, a 512-token vocabulary and random weights (check_args). Each path is switched
+on alone and held to all paths off: the training forward and backward (the logits and every gradient), then two prompts
+prefilled and 4 decode steps through the KV cache that complete a compressed window of every ratio. Every layer routes
+by hash and the indexer keeps every entry, so no near-tie at a top-k cut can pick differently on the two sides.
+gemm_f32 goes first; the others then run with its verdict, as they will in the run. routing and sampling also run alone
+at the run's expert count and vocabulary: the learned router (and the hash table) on 64 tokens, the sampler on 8 rows,
+greedy and sampled.
 
 Agreement, for each tensor compared: max |fast - gold| <= 2 max |reference - gold| + tol max |gold|, gold being the
 reference computed in fp32 from the same weights and inputs (in an fp32 run, the reference itself); tol is 1e-3 in fp32
-and 0.1 in bf16. In fp32 the two sides differ in the order of their sums only: up to 3e-5 of the largest value on an
-H200 and 2e-5 on the CPU (gradients of mHC's scales). bf16 keeps 8 significant bits, and its rounding errors grow
-through this random model's layers and its backward: no fast path missed by more than twice the bf16 reference's own
-miss (an H200 at tiny's, bench_2b's and Flash's widths; the CPU at tiny's and micro's), which reaches 0.06 of the
-largest value on the CPU (a router's gradient). The gradients of the 1-D parameters (norms, sinks, mHC's scales and
-bases) are left out in bf16: each sums a term from every token, and the rounding of bf16 terms moves such a sum by up
-to 0.16 of itself with a correct fast path (Flash's hc_head_scale, where the reference happened to land 0.01 off). A
-wrong kernel (a mask, an index, a missing term, a bad layout) misses by about the largest value or gives NaN, which
-never agrees. Picks (the router's experts, the sampler's tokens, the pair order) must be equal. Not covered: the
-indexer's scores (every entry is kept) and the paths' combinations.
+and 0.1 in bf16. In fp32 the two sides differ only in the order of their sums: up to 3e-5 of the largest value on an
+H200 and 2e-5 on the CPU (gradients of mHC's scales). In bf16 (8 significant bits) rounding errors grow through this
+random model's layers and its backward: no fast path missed by more than twice the bf16 reference's own miss (an H200
+at tiny's, bench_2b's and Flash's widths; the CPU at tiny's and micro's), which reaches 0.06 of the largest value on the
+CPU (a router's gradient). The 1-D parameters' gradients (norms, sinks, mHC's scales and bases) are left out in bf16:
+each sums a term from every token, and bf16 rounding moves such a sum by up to 0.16 of itself with a correct fast path
+(Flash's hc_head_scale, where the reference happened to land 0.01 off). A wrong kernel (a mask, an index, a missing
+term, a bad layout) misses by about the largest value or gives NaN, which never agrees. Picks (router experts, sampled
+tokens, pair order) must be equal. Not covered: the indexer's scores (every entry is kept), combinations of paths.
 
-Where auto checks nothing: on the CPU it takes the reference, as before. The CPU figures (README) are the reference's,
-the Triton paths run only on a GPU (dsv4_kernels.has_triton), and a check would add to every start for no gain.
-kernels='fast' takes the torch paths on the CPU too (tests/test_kernels.py holds them to the reference there).
-A kernel that faults the device (an illegal memory access) leaves CUDA unusable for the whole process: the check
-then stops the run, naming the path; kernels='reference', or a list without that path, gets past it.
+On the CPU auto checks nothing and takes the reference: the CPU figures (README) are the reference's, the Triton paths
+run only on a GPU (dsv4_kernels.has_triton), and a check would add to every start for no gain. kernels='fast' takes the
+torch paths on the CPU too (tests/test_kernels.py holds them to the reference there). A kernel that faults the device
+(an illegal memory access) leaves CUDA unusable for the whole process: the check then stops the run, naming the path;
+kernels='reference', or a list without that path, gets past it.
 """
 import dataclasses
 
@@ -59,8 +58,7 @@ from moe import Gate, dispatch
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-1}  # of a tensor's largest value (the module docstring says why)
 STEPS = 4  # decode steps after the prefill
-# what each path changes, so what its check runs: the model's training step, its decode, and alone the router and
-# the sampler
+# what each path changes, so what its check runs: the training step, the decode, and alone the router and the sampler
 PARTS = {"gemm_f32": ("train", "decode"), "attention": ("train", "decode"), "decode_attention": ("decode",),
          "mhc": ("train", "decode"), "experts": ("train", "decode"), "routing": ("decode", "router"),
          "sampling": ("sampler",)}
@@ -95,8 +93,8 @@ def choose(mode, args, device, dtype, log=print):
 
 
 def check(args, device, dtype):
-    """{path: None where it runs and agrees with the reference, else why not} for every path of KERNEL_PATHS, on
-    device in dtype (the module docstring says how). Runs eager, whatever compile_policy has swapped in."""
+    """{path: None where it runs and agrees with the reference, else why not} for every path of KERNEL_PATHS, on device
+    in dtype (the module docstring says how). Runs eager, whatever compile_policy has swapped in."""
     device = torch.device(device)
     small, span = check_args(args)
     with torch.device("meta"):
@@ -197,11 +195,8 @@ def train_step(model, ids, dy, vectors=True):
     model.zero_grad(set_to_none=True)
     logits = model(ids)
     (logits * dy).sum().backward()
-    out = {"logits": logits.detach()}
-    for name, p in model.named_parameters():
-        if vectors or p.dim() > 1:
-            out[f"grad {name}"] = p.grad if p.grad is not None else torch.zeros_like(p)
-    return out
+    return {"logits": logits.detach()} | {f"grad {name}": torch.zeros_like(p) if p.grad is None else p.grad
+                                          for name, p in model.named_parameters() if vectors or p.dim() > 1}
 
 
 @torch.no_grad()
@@ -223,8 +218,7 @@ def decode(model, prompts, tokens):
 @torch.no_grad()
 def router(args, x, ids, fast):
     """The run's routers alone (its expert count and top-k): the hash table's, if it has hash layers, and the learned
-    one, on x [N, D] of tokens ids [N]; then a decode step's pair order (moe.dispatch). {name: tensor}; names that
-    start with "picks" must be equal."""
+    one, on x [N, D] of tokens ids [N]; then a decode step's pair order (moe.dispatch). {name: tensor}."""
     out = {}
     for layer in ([0] if args.num_hash_layers else []) + [args.num_hash_layers]:
         gate = randomize_(Gate(layer, args).to(x.device), seed=layer)
@@ -238,8 +232,7 @@ def router(args, x, ids, fast):
 
 
 def sampler(logits, temp, draws, fast):
-    """The engine's sampler (Engine._launch_sample without top-p or top-k): {name: tensor} of the picks and their
-    logprobs."""
+    """The engine's sampler (Engine._launch_sample without top-p or top-k): {name: tensor} of picks and logprobs."""
     greedy = temp < GREEDY_T
     if fast and has_triton(logits):
         chosen = sample_triton(logits, torch.where(greedy, 1.0, temp).float(), greedy, draws)

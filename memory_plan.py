@@ -13,14 +13,20 @@ from model_dsv4 import ModelArgs, Transformer
 from parallel import stage_layers
 
 
-def memory_plan(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n_microbatches, pp_layers=None):
-    """Per-stage bytes of one rank: weights (bf16, fp32 where the reference keeps fp32), grads (same dtype),
-    optimizer (fp32 master + two moments = 12 B/param; in host memory with offload) and an activation
-    estimate for 1F1B with this micro-batch."""
+def plan_table(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n_microbatches, gpu_gb=288,
+               pp_layers=None):
+    """The memory plan as a markdown table, with a line saying what it assumes: per stage, the bytes of one rank's
+    weights (bf16, fp32 where the reference keeps fp32), grads (same dtype), optimizer (fp32 master + two moments =
+    12 B/param; in host memory with offload) and an activation estimate for 1F1B with this micro-batch."""
     with torch.device("meta"):
         full = Transformer(args, dtype=torch.bfloat16)
-    stages, rows, GB = stage_layers(args.num_hidden_layers, pp_size, pp_layers), [], 1e9
-    for pp_rank, layers in enumerate(stages):
+    GB = 1e9
+    lines = [f"Memory plan, computed on the meta device (not run): {world} GPUs of {gpu_gb:.0f} GB, pp {pp_size} x "
+             f"dp {world // pp_size}, ep {ep_size}, micro-batch {micro_batch} x {seq_len} tokens, {n_microbatches} "
+             f"micro-batches, recompute {recompute}.", "",
+             "| stage | layers | params per rank | weights GB | grads GB | fp32 master + Adam GB | activations GB "
+             "| GPU total GB | GPU total GB, optimizer offloaded |", "|---|---|---|---|---|---|---|---|---|"]
+    for pp_rank, layers in enumerate(stage_layers(args.num_hidden_layers, pp_size, pp_layers)):
         first, last = pp_rank == 0, pp_rank == pp_size - 1
         n_param = w_bytes = 0
         for name, p in full.named_parameters():
@@ -38,24 +44,10 @@ def memory_plan(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, 
         # quarter of the sequence (CSA's compressed keys), kept for backward, plus the routed experts' activations
         work = micro_batch * args.num_attention_heads * seq_len * (args.sliding_window + seq_len // 4) * 4 * 2 \
             + tokens * args.num_experts_per_tok * args.moe_intermediate_size * 4 * 3
-        act = inflight * len(layers) * (stream if recompute else 12 * stream) + work  # 12: rough, without recompute
-        rows.append(dict(stage=pp_rank, layers=f"{layers[0]}-{layers[-1]}", params=n_param, weights=w_bytes / GB,
-                         optim=12 * n_param / GB, act=act / GB))
-    return rows
-
-
-def plan_table(args, pp_size, ep_size, world, micro, seq, recompute, n_microbatches, gpu_gb=288, pp_layers=None):
-    """The memory plan as a markdown table, with a line saying what it assumes."""
-    rows = memory_plan(args, pp_size, ep_size, world, micro, seq, recompute, n_microbatches, pp_layers)
-    lines = [f"Memory plan, computed on the meta device (not run): {world} GPUs of {gpu_gb:.0f} GB, pp {pp_size} x "
-             f"dp {world // pp_size}, ep {ep_size}, micro-batch {micro} x {seq} tokens, {n_microbatches} micro-batches, "
-             f"recompute {recompute}.", "",
-             "| stage | layers | params per rank | weights GB | grads GB | fp32 master + Adam GB | activations GB "
-             "| GPU total GB | GPU total GB, optimizer offloaded |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        base = 2 * r["weights"] + r["act"]
-        lines.append(f"| {r['stage']} | {r['layers']} | {r['params'] / 1e9:.2f}B | {r['weights']:.1f} | {r['weights']:.1f} "
-                     f"| {r['optim']:.1f} | {r['act']:.1f} | {base + r['optim']:.1f} | {base:.1f} |")
+        act = (inflight * len(layers) * (stream if recompute else 12 * stream) + work) / GB  # 12: rough, no recompute
+        weights, optim = w_bytes / GB, 12 * n_param / GB  # the grads take as many bytes as the weights
+        lines.append(f"| {pp_rank} | {layers[0]}-{layers[-1]} | {n_param / 1e9:.2f}B | {weights:.1f} | {weights:.1f} "
+                     f"| {optim:.1f} | {act:.1f} | {2 * weights + act + optim:.1f} | {2 * weights + act:.1f} |")
     return "\n".join(lines)
 
 

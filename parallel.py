@@ -1,11 +1,11 @@
 """
-Hand-written parallelism on torch.distributed: one rank grid, pipeline parallel (1F1B and the
-all-forward-all-backward reference), expert parallel (dispatch/combine live next to MoE in model_dsv4.py),
-data-parallel gradient reduction, global grad-norm clipping and activation recompute (the host-memory
-optimizer: optimizer.py). Tensor parallel is fixed at 1, as in the seed run (TP-heavy layouts deadlocked in RCCL).
+Hand-written parallelism on torch.distributed: one rank grid, pipeline parallel (1F1B and the all-forward-all-backward
+reference), data-parallel gradient reduction, global grad-norm clipping and activation recompute. Expert parallel's
+dispatch/combine live next to MoE in moe.py, the host-memory optimizer in optimizer.py. Tensor parallel is fixed at 1,
+as in the seed run (TP-heavy layouts deadlocked in RCCL).
 
-One code path for CPU/gloo and GPU/NCCL (RCCL on ROCm): a group of size 1 skips communication, and
-world size 1 runs the same functions without a process group.
+One code path for CPU/gloo and GPU/NCCL (RCCL on ROCm): a group of size 1 skips communication, and world size 1 runs
+the same functions without a process group.
 """
 import math
 import os
@@ -61,14 +61,11 @@ class Grid:
 
 
 def init_distributed(pp_size=1, ep_size=1, tp_size=1, timeout_s=600):
-    """Pick device and backend, create every process group, return this rank's Grid.
-
-    Axis order, written once: grid = arange(world).view(pp, dp // ep, ep), i.e.
-        rank = pp_rank * dp + dp_rank,   dp_rank = edp_rank * ep + ep_rank.
-    Stages are outermost (one node per stage in the seed's 4 x 8 layout, so pipeline p2p crosses nodes),
-    expert parallel innermost (all-to-all stays inside a node). Expert parallel is carved out of data
-    parallel: the ranks of an EP group hold different experts and see different data.
-    """
+    """Pick device and backend, create every process group, return this rank's Grid. Axis order, written once:
+        grid = arange(world).view(pp, dp // ep, ep):  rank = pp_rank * dp + dp_rank,  dp_rank = edp_rank * ep + ep_rank.
+    Stages are outermost (one node per stage in the seed's 4 x 8 layout, so pipeline p2p crosses nodes), expert
+    parallel innermost (all-to-all stays inside a node). Expert parallel is carved out of data parallel: the ranks of an
+    EP group hold different experts and see different data."""
     if tp_size != 1:
         raise ValueError(f"tp_size={tp_size}: tensor parallel is not implemented; use pp_size and ep_size")
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
@@ -142,9 +139,9 @@ def barrier(group, what):
 
 def init_weight_update_group(master_address, master_port, rank, world_size, group_name, backend="gloo",
                              timeout_s=600):
-    """Join the weight-sync process group exactly as SGLang does (init_custom_process_group): a tcp://
-    rendezvous whose store (hosted by rank 0, the trainer) is wrapped in PrefixStore(group_name). A plain
-    init_process_group would not meet SGLang, whose store keys carry that prefix. Both sides call this."""
+    """Join the weight-sync process group exactly as SGLang does (init_custom_process_group): a tcp:// rendezvous whose
+    store (hosted by rank 0, the trainer) is wrapped in PrefixStore(group_name). A plain init_process_group would not
+    meet SGLang, whose store keys carry that prefix. Both sides call this."""
     from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
     timeout = timedelta(seconds=timeout_s)
@@ -164,13 +161,12 @@ def stage_layers(n_layers, pp_size, pp_layers=None):
     counts = pp_layers or [n_layers // pp_size + (i < n_layers % pp_size) for i in range(pp_size)]
     if len(counts) != pp_size or sum(counts) != n_layers:
         raise ValueError(f"pp_layers {counts} must have {pp_size} entries summing to {n_layers} layers")
-    starts = [sum(counts[:i]) for i in range(pp_size)]
-    return [list(range(s, s + c)) for s, c in zip(starts, counts)]
+    return [list(range(sum(counts[:i]), sum(counts[:i + 1]))) for i in range(pp_size)]
 
 
 def build_stage(args: ModelArgs, grid: Grid, dtype=torch.float32, pp_layers=None, init=True, seed=0):
-    """This rank's part of the model, built on the meta device and then materialised: its layers, its
-    expert shard, and the ends its stage owns. Names stay the official ones (layers.{i}, experts.{e})."""
+    """This rank's part of the model, built on the meta device and then materialised: its layers, its expert shard,
+    and the ends its stage owns. Names stay the official ones (layers.{i}, experts.{e})."""
     with torch.device("meta"):
         model = Transformer(args, dtype=dtype, ep_group=grid.ep_group)
     keep = set(stage_layers(args.num_hidden_layers, grid.pp_size, pp_layers)[grid.pp_rank])
@@ -188,10 +184,10 @@ def build_stage(args: ModelArgs, grid: Grid, dtype=torch.float32, pp_layers=None
 
 
 def stage_forward(model, x, ids, recompute=False, replay=None, stats=None):
-    """x: [B, T, n, D] from the previous stage, or None on the first -> this stage's streams (the last stage's go
-    on to head_loss). Every stage gets the token ids: hash-routed layers read them, wherever they sit. The caller
-    enters model.numerics() (set_invariant's sums), so that the head and the loss are inside too. replay: the
-    micro-batch's replayed ids, this stage's layers (Transformer.replay_kwargs), and stats its routers' counts."""
+    """x: [B, T, n, D] from the previous stage, or None on the first -> this stage's streams (the last stage's go on to
+    head_loss). Every stage gets the token ids: hash-routed layers read them, wherever they sit. The caller enters
+    model.numerics() (set_invariant's sums), so that the head and the loss are inside too. replay: the micro-batch's
+    replayed ids, this stage's layers (Transformer.replay_kwargs), and stats its routers' counts."""
     model.stack_experts()
     if x is None:
         x = model.embed_streams(ids)
@@ -208,15 +204,14 @@ def replayed(mb):
 
 
 def head_loss(model, x, mb, fn):
-    """The last stage's tail, fn(fp32 logits of the streams x, mb): one function, which compile_layers compiles as
-    one graph, so the loss's backward writes the logits' gradient in bf16 for the head's GEMMs, without an fp32 copy
-    and a cast."""
+    """The last stage's tail fn(fp32 logits of the streams x, mb) as one function: compile_layers compiles it as one
+    graph, so the loss's backward hands the head's GEMMs the logits' gradient in bf16, with no fp32 copy and cast."""
     return fn(model.logits(x), mb)
 
 
 # -----------------------------------------------------------------------------
-# point-to-point: four verbs on batch_isend_irecv. Shapes travel first (a 4-int header), so a wrong
-# shape is a clear error on the receiver instead of a crash inside the transport.
+# point-to-point: four verbs (and the two pairs 1F1B's steady state uses) on batch_isend_irecv, None at the pipeline's
+# edges. Shapes travel first (a 4-int header): a wrong shape is an error on the receiver, not a crash in the transport.
 
 def p2p(grid, send=None, send_to=None, recv_shape=None, recv_from=None, dtype=None, what=""):
     """Send one tensor and/or receive one, in a single batch (both directions at once cannot deadlock)."""
@@ -244,9 +239,8 @@ def p2p(grid, send=None, send_to=None, recv_shape=None, recv_from=None, dtype=No
 
 
 def recv_fwd(grid, shape, dtype):
-    if grid.is_first_stage:
-        return None
-    return p2p(grid, recv_shape=shape, recv_from=grid.pp_prev, dtype=dtype, what="recv_fwd").requires_grad_()
+    return None if grid.is_first_stage else p2p(grid, recv_shape=shape, recv_from=grid.pp_prev, dtype=dtype,
+                                                what="recv_fwd").requires_grad_()
 
 
 def send_fwd(grid, y):
@@ -255,9 +249,8 @@ def send_fwd(grid, y):
 
 
 def recv_bwd(grid, shape, dtype):
-    if grid.is_last_stage:
-        return None
-    return p2p(grid, recv_shape=shape, recv_from=grid.pp_next, dtype=dtype, what="recv_bwd")
+    return None if grid.is_last_stage else p2p(grid, recv_shape=shape, recv_from=grid.pp_next, dtype=dtype,
+                                               what="recv_bwd")
 
 
 def send_bwd(grid, g):
@@ -266,24 +259,20 @@ def send_bwd(grid, g):
 
 
 def send_fwd_recv_bwd(grid, y, shape):
-    if grid.is_last_stage:
-        return None
-    return p2p(grid, send=y.detach(), send_to=grid.pp_next, recv_shape=shape, recv_from=grid.pp_next,
-               dtype=y.dtype, what="send_fwd_recv_bwd")
+    return None if grid.is_last_stage else p2p(grid, send=y.detach(), send_to=grid.pp_next, recv_shape=shape,
+                                               recv_from=grid.pp_next, dtype=y.dtype, what="send_fwd_recv_bwd")
 
 
 def send_bwd_recv_fwd(grid, g, shape, dtype):
-    if grid.is_first_stage:
-        return None
-    x = p2p(grid, send=g, send_to=grid.pp_prev, recv_shape=shape, recv_from=grid.pp_prev, dtype=dtype,
-            what="send_bwd_recv_fwd")
-    return x.requires_grad_()
+    return None if grid.is_first_stage else p2p(grid, send=g, send_to=grid.pp_prev, recv_shape=shape,
+                                                recv_from=grid.pp_prev, dtype=dtype,
+                                                what="send_bwd_recv_fwd").requires_grad_()
 
 
 # -----------------------------------------------------------------------------
-# schedules. Each stage reads the same micro-batches (token ids and whatever the loss needs), so only
-# activations and their gradients travel. The loss is a function argument: the last stage computes
-# any token loss from what its micro-batch carries (advantages, old logprobs, ...).
+# schedules. Each stage reads the same micro-batches (token ids and whatever the loss needs), so only activations and
+# their gradients travel. The loss is a function argument: the last stage computes any token loss from what its
+# micro-batch carries (advantages, old logprobs, ...).
 
 def _forward(model, grid, x, mb, loss_fn, recompute, metrics):
     stats = []
@@ -308,8 +297,8 @@ def _backward(x, y, grad_y):
 
 
 def one_f_one_b(model, grid, microbatches, loss_fn, recompute=False):
-    """1F1B: warm up with (pp - rank - 1) forwards, alternate one forward and one backward, cool down.
-    At most pp - rank micro-batches' activations are alive at once."""
+    """1F1B: warm up with (pp - rank - 1) forwards, alternate one forward and one backward, cool down. At most
+    pp - rank micro-batches' activations are alive at once."""
     n, metrics, fifo = len(microbatches), {}, []
     shape = lambda i: (*microbatches[i]["input_ids"].shape, model.args.hc_mult, model.args.hidden_size)
     num_warmup = min(grid.pp_size - grid.pp_rank - 1, n)
@@ -354,8 +343,8 @@ def afab(model, grid, microbatches, loss_fn, recompute=False):
 
 @torch.no_grad()
 def forward_only(model, grid, microbatches, fn):
-    """Forward every micro-batch through the pipeline; the last stage returns [fn(logits, mb) for each mb]
-    (old-policy or reference logprobs, evaluation), the other stages an empty list."""
+    """Forward every micro-batch through the pipeline; the last stage returns [fn(logits, mb) for each mb] (old-policy
+    or reference logprobs, evaluation), the other stages an empty list."""
     out = []
     for mb in microbatches:
         x = recv_fwd(grid, (*mb["input_ids"].shape, model.args.hc_mult, model.args.hidden_size), model.dtype)
@@ -363,8 +352,7 @@ def forward_only(model, grid, microbatches, fn):
             y = stage_forward(model, x, mb["input_ids"], replay=replayed(mb))
             if grid.is_last_stage:
                 out.append(head_loss(model, y, mb, fn))
-        if not grid.is_last_stage:
-            send_fwd(grid, y)
+        send_fwd(grid, y)
     return out
 
 
@@ -372,17 +360,17 @@ def forward_only(model, grid, microbatches, fn):
 # gradients, then the optimizer's step (optimizer.AdamW)
 
 def reduce_grads(model, grid):
-    """Sum gradients over the ranks that hold copies of the same parameter:
-    dense parameters over dp; routed experts over edp (each EP group holds one copy of every expert, and
-    an expert's gradient already has every EP-group rank's tokens in it, through combine's backward).
-    A sum, not a mean: the loss is normalised by global counts, so the result does not depend on the layout."""
+    """Sum gradients over the ranks that hold copies of the same parameter: dense parameters over dp; routed experts
+    over edp (each EP group holds one copy of every expert, whose gradient has every EP-group rank's tokens in it
+    through combine's backward). A sum, not a mean: the loss is normalised by global counts, so layouts agree."""
     dense, expert = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             if p.grad is None:  # an expert no token chose this step: still takes part in the reduce
                 p.grad = torch.zeros_like(p)
             (expert if ".experts." in name else dense).append(p.grad)
-    for grads, group, what in ((dense, grid.dp_group, "dense grads over dp"), (expert, grid.edp_group, "expert grads over edp")):
+    for grads, group, what in ((dense, grid.dp_group, "dense grads over dp"),
+                               (expert, grid.edp_group, "expert grads over edp")):
         if grads and group_size(group) > 1:
             flat = all_reduce(torch.cat([g.flatten().float() for g in grads]), group, what)
             for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
@@ -390,8 +378,8 @@ def reduce_grads(model, grid):
 
 
 def clip_grad_norm(model, grid, max_norm):
-    """Global grad norm over every parameter of the model, counted once: experts differ across the EP
-    group, layers across the pipeline; dense copies across dp are identical after reduce_grads."""
+    """Global grad norm over every parameter of the model, counted once: experts differ across the EP group, layers
+    across the pipeline; dense copies across dp are identical after reduce_grads."""
     sq = {"dense": torch.zeros((), device=grid.device), "expert": torch.zeros((), device=grid.device)}
     for name, p in model.named_parameters():
         if p.grad is not None:
@@ -407,15 +395,13 @@ def clip_grad_norm(model, grid, max_norm):
 
 
 def train_step(model, grid, opt, microbatches, loss_fn, grad_clip=1.0, schedule="1f1b", recompute=False):
-    """One optimizer step over this rank's micro-batches (every DP rank must pass the same number).
-    microbatches: dicts with "input_ids" [B, T] plus what loss_fn reads; loss_fn(logits, mb) -> loss or
-    (loss, metrics), where the loss is the micro-batch's share of the global loss (normalised by global
-    counts). Returns the metrics summed over micro-batches (on the last stage) plus grad_norm, skipped and
-    nonfinite. A non-finite loss on any rank or a non-finite gradient norm skips the update on every rank;
-    nonfinite lists this rank's offending micro-batches as (index, loss)."""
+    """One optimizer step over this rank's micro-batches (every DP rank passes the same number): dicts with
+    "input_ids" [B, T] plus what loss_fn(logits, mb) reads; it returns the micro-batch's share of the global loss
+    (normalised by global counts), or (loss, {name: value}). -> those metrics summed over micro-batches (last stage),
+    grad_norm, skipped, and nonfinite: this rank's micro-batches with a non-finite loss, as (index, loss). A non-finite
+    loss on any rank or a non-finite gradient norm skips the update on every rank."""
     opt.zero_grad()
-    run = one_f_one_b if schedule == "1f1b" else afab
-    metrics = run(model, grid, microbatches, loss_fn, recompute)
+    metrics = (one_f_one_b if schedule == "1f1b" else afab)(model, grid, microbatches, loss_fn, recompute)
     metrics["nonfinite"] = [(i, x) for i, x in enumerate(metrics.pop("mb_losses", [])) if not math.isfinite(x)]
     ids = [t for mb in microbatches for t in replayed(mb).values()]
     if ids:  # replay: each stage's routers count their own layers; the memory of the ids, the most on any rank

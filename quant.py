@@ -1,15 +1,13 @@
-"""FP8 / FP4 block quantization as used by DeepSeek-V4 (spec sections 2.7 and 4.3-4.5).
-
-Uses:
-  * checkpoint formats: FP8 e4m3 weights with one e8m0 scale per 128x128 block, and FP4 e2m1
-    routed experts packed two per byte with one e8m0 scale per 32 inputs of a row;
-  * quantized serving (rollout_quant): which tensors are quantized, and what travels for them
-    (weight_sync.py sends it, server.py serves from it);
+"""FP8 / FP4 block quantization as used by DeepSeek-V4 (spec sections 2.7 and 4.3-4.5). Uses:
+  * checkpoint formats: FP8 e4m3 weights with one e8m0 scale per 128x128 block, and FP4 e2m1 routed experts packed
+    two per byte with one e8m0 scale per 32 inputs of a row;
+  * quantized serving (rollout_quant): which tensors are quantized, and what travels for them (weight_sync.py sends
+    it, server.py serves from it);
   * QAT simulations in the forward pass: quantize then dequantize activations along the last dim.
 
-Scales are powers of two stored as e8m0 (byte b means 2^(b-127), b=255 is NaN). We compute the
-exponent ourselves: torch's float -> float8_e8m0fnu cast rounds to the nearest power of two
-(1.25 -> 1), but the reference wants 2^ceil(log2(amax/qmax)), so that amax/scale never exceeds qmax.
+Scales are powers of two stored as e8m0 (byte b means 2^(b-127), b=255 is NaN). We compute the exponent ourselves:
+torch's float -> float8_e8m0fnu cast rounds to the nearest power of two (1.25 -> 1), but the reference wants
+2^ceil(log2(amax/qmax)), so that amax/scale never exceeds qmax.
 """
 import re
 
@@ -32,43 +30,31 @@ def e8m0_to_float(scale):
     if scale.dtype != torch.uint8:
         return scale.float()
     b = scale.to(torch.int32)
-    # Build the float32 bit pattern directly so the result is exact: exponent field b gives
-    # 2^(b-127). b=0 is 2^-127, a float32 subnormal (mantissa bit 22 set). b=255 is NaN.
+    # The float32 bit pattern, built directly so the result is exact: exponent field b gives 2^(b-127). b=0 is 2^-127,
+    # a float32 subnormal (mantissa bit 22 set). b=255 is NaN.
     bits = torch.where(b == 0, torch.full_like(b, 1 << 22), b << 23)
     bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)
     return bits.view(torch.float32)
 
 
 def _pow2_ceil_byte(x):
-    """e8m0 byte of 2^ceil(log2(x)) for x > 0, computed exactly from the float32 exponent.
-
-    frexp gives x = m * 2^e with m in [0.5, 1); ceil(log2 x) is e-1 when m == 0.5 (x is an exact
-    power of two) and e otherwise. Going through log2() could be off by one near powers of two.
-    Non-finite x gives byte 255 (NaN scale), so NaN/inf inputs stay visible after dequant.
-    """
+    """e8m0 byte of 2^ceil(log2(x)) for x > 0, exactly from the float32 exponent: frexp gives x = m * 2^e with m in
+    [0.5, 1); ceil(log2 x) is e-1 when m == 0.5 (x is an exact power of two) and e otherwise (log2() could be off by one
+    near powers of two). Non-finite x gives byte 255 (NaN scale), so NaN/inf inputs stay visible after dequant."""
     m, e = torch.frexp(x.float())
-    k = torch.where(m == 0.5, e - 1, e)
-    byte = (k + 127).clamp(0, 254)
-    byte = torch.where(torch.isfinite(x), byte, torch.full_like(byte, 255))
-    return byte.to(torch.uint8)
+    byte = (torch.where(m == 0.5, e - 1, e) + 127).clamp(0, 254)
+    return torch.where(torch.isfinite(x), byte, 255).to(torch.uint8)
 
 
 def _pad_to(x, dim, mult):
     """Zero-pad x along dim up to a multiple of mult. Zeros never change a block's amax."""
-    n = x.shape[dim]
-    pad = -n % mult
-    if pad == 0:
-        return x
-    spec = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, pad]
-    return F.pad(x, spec)
+    pad = -x.shape[dim] % mult
+    return F.pad(x, [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, pad]) if pad else x
 
 
 def fp8_block_quantize(w, block=128, scale_fmt="ue8m0"):
-    """w [out, in] -> (float8_e4m3fn [out, in], scale [ceil(out/block), ceil(in/block)]).
-
-    scale_fmt="ue8m0": scale = 2^ceil(log2(amax/448)) as float8_e8m0fnu (checkpoint format).
-    scale_fmt="fp32":  scale = amax/448 as float32.
-    """
+    """w [out, in] -> (float8_e4m3fn [out, in], scale [ceil(out/block), ceil(in/block)]). scale_fmt "ue8m0": the scale
+    is 2^ceil(log2(amax/448)) as float8_e8m0fnu (checkpoint format); "fp32": amax/448 as float32."""
     assert w.dim() == 2, f"expected a 2-D weight, got shape {tuple(w.shape)}"
     assert scale_fmt in ("ue8m0", "fp32"), scale_fmt
     out_f, in_f = w.shape
@@ -81,10 +67,8 @@ def fp8_block_quantize(w, block=128, scale_fmt="ue8m0"):
         s, scale = e8m0_to_float(byte), byte.view(torch.float8_e8m0fnu)
     else:
         s = scale = amax / FP8_MAX
-    q = (blocks / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
-    # torch's cast to e4m3fn rounds to nearest, ties to even.
-    q = q.to(torch.float8_e4m3fn).view(R * block, C * block)[:out_f, :in_f]
-    return q.contiguous(), scale
+    q = (blocks / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # to nearest, ties to even
+    return q.view(R * block, C * block)[:out_f, :in_f].contiguous(), scale
 
 
 def fp8_block_dequantize(w_e4m3, scale, dtype=torch.float32, block=128):
@@ -100,23 +84,18 @@ def fp8_block_dequantize(w_e4m3, scale, dtype=torch.float32, block=128):
 def _e2m1_round(v):
     """Round float32 v (already clamped to [-6, 6]) to the nearest e2m1 value.
 
-    The e2m1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 has step 0.5 below 2, step 1 in [2, 4) and step 2
-    in [4, 6]. Dividing by the local step turns each segment into integers, and on every segment
-    the even integers are exactly the grid points whose mantissa bit is 0. So torch.round
-    (round half to even) gives IEEE-style ties-to-even-mantissa:
-    0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
-    The sign is kept, so small negatives round to -0.
-    """
+    The e2m1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 has step 0.5 below 2, step 1 in [2, 4) and step 2 in [4, 6]. Dividing by
+    the local step turns each segment into integers, and on every segment the even integers are exactly the grid points
+    whose mantissa bit is 0. So torch.round (round half to even) gives IEEE-style ties-to-even-mantissa: 0.25 -> 0,
+    0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4. The sign is kept, so small negatives round to -0."""
     a = v.abs()
     step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
     return torch.copysign(torch.round(a / step) * step, v)
 
 
 def fp4_quantize(w, group=32):
-    """w [out, in] -> (int8 [out, in/2] with two e2m1 codes per byte, e8m0 scale [out, in/group]).
-
-    Byte j of a row holds element 2j in the low nibble and element 2j+1 in the high nibble.
-    """
+    """w [out, in] -> (int8 [out, in/2] with two e2m1 codes per byte, e8m0 scale [out, in/group]). Byte j of a row
+    holds element 2j in the low nibble and element 2j+1 in the high nibble."""
     assert w.dim() == 2, f"expected a 2-D weight, got shape {tuple(w.shape)}"
     out_f, in_f = w.shape
     assert in_f % group == 0, f"in={in_f} must be divisible by group={group}"
@@ -125,8 +104,7 @@ def fp4_quantize(w, group=32):
     amax = g.abs().amax(dim=-1).clamp(min=FP4_AMAX_MIN)
     byte = _pow2_ceil_byte(amax / FP4_MAX)
     v = _e2m1_round((g / e8m0_to_float(byte)[..., None]).clamp(-FP4_MAX, FP4_MAX))
-    # Value -> code: magnitude index on the e2m1 grid (exact match, so bucketize finds it),
-    # plus 8 for the sign bit.
+    # value -> code: magnitude index on the e2m1 grid (exact match, so bucketize finds it), plus 8 for the sign bit
     mag = torch.bucketize(v.abs(), E2M1_VALUES[:8].to(v.device))
     code = (mag + 8 * torch.signbit(v).long()).view(out_f, in_f)
     packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
@@ -168,10 +146,9 @@ def fake_quant_fp4(x, block=32):
 
 
 # -----------------------------------------------------------------------------
-# FP8 reference numerics in the trainer (spec §2.7), switched on by Transformer.set_fp8_emulation(True).
-# Each sim is a quantize-dequantize with a straight-through gradient: the forward sees the rounded value,
-# the backward the identity. fq + (x - x.detach()) is exactly fq in any dtype, where x + (fq - x).detach()
-# could round twice.
+# FP8 reference numerics in the trainer (spec §2.7), switched on by Transformer.set_fp8_emulation(True). Each sim is a
+# quantize-dequantize with a straight-through gradient: the forward sees the rounded value, the backward the identity.
+# fq + (x - x.detach()) is exactly fq in any dtype, where x + (fq - x).detach() could round twice.
 
 def straight_through(x, fq):
     return fq.detach() + (x - x.detach())
@@ -196,9 +173,8 @@ def index_quant_sim(x):
 
 
 class FP8Linear(torch.nn.Linear):
-    """nn.Linear whose weight is FP8 (or FP4) in the checkpoint. With fp8_emu on, its input goes through
-    act_quant_sim first; the weight is used as stored (dequantizing FP8 to bf16 is exact, spec §2.7).
-    Off, it is nn.Linear bit for bit."""
+    """nn.Linear whose weight is FP8 (or FP4) in the checkpoint. With fp8_emu on, its input goes through act_quant_sim
+    first; the weight is used as stored (dequantizing FP8 to bf16 is exact, spec §2.7). Off, it is nn.Linear."""
     fp8_emu = False
 
     def forward(self, x):
@@ -206,21 +182,15 @@ class FP8Linear(torch.nn.Linear):
 
 
 def hadamard(x):
-    """Normalized Walsh-Hadamard transform of the last dim (Sylvester order, scale 1/sqrt(n)).
-
-    Equals x @ H with H_1 = [1], H_2n = [[H_n, H_n], [H_n, -H_n]] / sqrt(2): orthonormal and
-    symmetric, so applying it twice gives x back. No random signs (the reference has none).
-    Computed with log2(n) butterfly passes in float32, returned in x's dtype.
-    """
+    """Normalized Walsh-Hadamard transform of the last dim (Sylvester order, scale 1/sqrt(n)): x @ H with H_1 = [1],
+    H_2n = [[H_n, H_n], [H_n, -H_n]] / sqrt(2), orthonormal and symmetric, so applying it twice gives x back. No random
+    signs (the reference has none). log2(n) butterfly passes in float32, returned in x's dtype."""
     n = x.shape[-1]
     assert n > 0 and n & (n - 1) == 0, f"last dim {n} must be a power of two"
-    y = x.float()
-    h = 1
+    y, h = x.float(), 1
     while h < n:
-        y = y.reshape(*x.shape[:-1], n // (2 * h), 2, h)
-        a, b = y[..., 0, :], y[..., 1, :]
-        y = torch.stack([a + b, a - b], dim=-2)
-        h *= 2
+        a, b = y.reshape(*x.shape[:-1], n // (2 * h), 2, h).unbind(-2)
+        y, h = torch.stack([a + b, a - b], dim=-2), 2 * h
     return (y.reshape(x.shape) * n**-0.5).to(x.dtype)
 
 
@@ -251,7 +221,8 @@ def quantized_meta(name, shape, dtype, mode):
     """[(name, shape, dtype)] of what travels for one tensor: itself, or its quantized weight and .scale."""
     fmt, (o, i) = quant_format(name, mode), shape if len(shape) == 2 else (0, 0)
     if fmt == "fp8":
-        return [(name, (o, i), torch.float8_e4m3fn), (scale_name(name), (-(-o // 128), -(-i // 128)), torch.float8_e8m0fnu)]
+        return [(name, (o, i), torch.float8_e4m3fn),
+                (scale_name(name), (-(-o // 128), -(-i // 128)), torch.float8_e8m0fnu)]
     if fmt == "fp4":
         return [(name, (o, i // 2), torch.int8), (scale_name(name), (o, i // 32), torch.float8_e8m0fnu)]
     return [(name, tuple(shape), dtype)]
@@ -259,8 +230,7 @@ def quantized_meta(name, shape, dtype, mode):
 
 def quantize_tensor(name, t, mode):
     """{name: t}, or the official quantized pair {name: weight, name.scale: e8m0 scale}."""
-    fmt = quant_format(name, mode)
-    if fmt is None:
+    if (fmt := quant_format(name, mode)) is None:
         return {name: t}
     q, s = fp8_block_quantize(t) if fmt == "fp8" else fp4_quantize(t)
     return {name: q, scale_name(name): s}

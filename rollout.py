@@ -4,7 +4,7 @@ always talks HTTP, to real SGLang servers at scale or to the embedded server (se
 
     client = RolloutClient("http://10.0.0.1:30000,http://10.0.0.2:30000")
     groups = client.generate(prompts, n=8, sampling={"temperature": 0.8, "max_new_tokens": 4096}, seed=step)
-    client.pause(); client.flush_cache(); client.update_weights_from_disk(path, "step-12"); client.continue_()
+    client.update_weights_from_disk(path, "step-12")      # the trainer's weight syncs: weight_sync.py
 
     python rollout.py --serve --model out/ckpt --port 30000     # the embedded server (see server.py)
     python rollout.py                                           # self-check: tiny model, server, client, seconds
@@ -84,14 +84,11 @@ class Progress:
         self.live = total > 0 and sys.stderr.isatty()
 
     def update(self, tokens):
-        self.done, self.tokens = self.done + 1, self.tokens + tokens
-        now = time.time()
+        self.done, self.tokens, now = self.done + 1, self.tokens + tokens, time.time()
         if self.live and (now - self.last > 0.2 or self.done == self.total):
             self.last, dt = now, now - self.t0
-            end = "\n" if self.done == self.total else ""
-            sys.stderr.write(f"\r{self.desc}: {self.done}/{self.total} | {self.tokens} tokens | "
-                             f"{self.tokens / max(dt, 1e-6):.0f} tok/s | {dt:.1f}s{end}")
-            sys.stderr.flush()
+            print(f"\r{self.desc}: {self.done}/{self.total} | {self.tokens} tokens | {self.tokens / max(dt, 1e-6):.0f} "
+                  f"tok/s | {dt:.1f}s", end="\n" if self.done == self.total else "", file=sys.stderr, flush=True)
 
 
 class RolloutClient:
@@ -104,20 +101,17 @@ class RolloutClient:
     bad request, not a bad server: it raises at once. URLs in `stale` (a weight sync did not reach them,
     weight_sync.py) get no requests until a full sync does, however healthy they are.
 
-    What holds with real SGLang 0.5.23 (checked against one serving a tiny Llama on the CPU, 2026-12): groups with
-    output logprobs, pause / continue, flush, the weight-update session, and disk, distributed and tensor syncs with
-    flattened buckets work unchanged. It needs three launch flags for the rest:
-      --enable-deterministic-inference: without it SGLang accepts sampling_seed and silently ignores it (a rerun with
-          the same seeds reproduced 0 of 12 samples), so no rollout is reproducible; with it, SGLang's deterministic
-          mode draws by the seed (its claim, not measured here; its draws are not the embedded server's);
-      --enable-return-routed-experts (routing_replay) and --enable-return-indexer-topk (indexer_replay; SGLang fills it
-          on its CUDA / NPU backends only): without them meta_info lacks the field and generate() raises, naming the
-          flag. The fields' byte layout is read from SGLang's source (replay.py); no payload of a running SGLang has
-          been decoded yet.
-    What holds only with the embedded server (server.py): the logprobs it returns are the trainer's forward's (fp32:
-    within ~1e-6; both sides set_invariant: bit for bit); the experts and indexer picks it returns are the ones the
-    trainer's own routers and indexers pick on the same sequence in fp32, so replay changes nothing there
-    (tests/test_replay.py); and a sample's tokens are a function of its seed alone, whatever batch it ran in."""
+    With real SGLang 0.5.23 (serving a tiny Llama on the CPU, 2026-12), groups with output logprobs, pause / continue,
+    flush, the weight-update session and disk, distributed and tensor syncs with flattened buckets work unchanged; the
+    rest needs launch flags:
+      --enable-deterministic-inference: without it SGLang silently ignores sampling_seed (a rerun with the same seeds
+          reproduced 0 of 12 samples); with it, draws follow the seed (its claim, unmeasured; not server.py's draws);
+      --enable-return-routed-experts (routing_replay), --enable-return-indexer-topk (indexer_replay; filled on CUDA /
+          NPU only): without them meta_info lacks the field and generate() raises, naming the flag. Their byte layout
+          is read from SGLang's source (replay.py); no payload of a running SGLang has been decoded yet.
+    Only with the embedded server (server.py): its logprobs are the trainer's forward's (fp32: within ~1e-6; both sides
+    set_invariant: bit for bit), its experts and indexer picks the trainer's own on the same sequence in fp32 (replay
+    changes nothing there: tests/test_replay.py), and a sample's tokens a function of its seed alone, whatever batch."""
 
     def __init__(self, urls, api_key=None, timeout=3600.0, max_concurrency=256, retries=4, backoff=0.5,
                  max_backoff=30.0):
@@ -127,12 +121,10 @@ class RolloutClient:
             raise ValueError("RolloutClient: no server URLs given")
         self.api_key, self.timeout, self.max_concurrency = api_key, timeout, max_concurrency
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
-        self.outstanding = dict.fromkeys(self.urls, 0)
+        self.outstanding, self.last_error = dict.fromkeys(self.urls, 0), dict.fromkeys(self.urls)
         self.fails = dict.fromkeys(self.urls, 0)  # failures in a row
         self.down_until = dict.fromkeys(self.urls, 0.0)  # time.monotonic() before which a URL is skipped
-        self.last_error = dict.fromkeys(self.urls)
-        self.turn = 0
-        self.stale = set()
+        self.turn, self.stale = 0, set()
         self.ready = False  # every server answered /health once (wait_ready)
 
     # ------------------------------------------------------------------ HTTP
@@ -285,18 +277,6 @@ class RolloutClient:
     def model_info(self):
         return self._fanout("GET", "/model_info")  # weight_version, model_path, ...
 
-    def pause(self, mode="retract"):
-        return self._fanout("POST", "/pause_generation", {"mode": mode})
-
-    def continue_(self):
-        return self._fanout("POST", "/continue_generation", {})
-
-    def flush_cache(self):
-        return self._fanout("POST", "/flush_cache")
-
-    def abort_all(self):
-        return self._fanout("POST", "/abort_request", {"abort_all": True})
-
     def begin_weight_update(self):
         return self._fanout("POST", "/begin_weight_update", {})
 
@@ -314,8 +294,7 @@ class RolloutClient:
         return self._fanout("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
     def post_all(self, path, body):
-        """Any other endpoint on every server, e.g. the distributed weight sync (/init_weights_update_group,
-        /update_weights_from_distributed, /destroy_weights_update_group) that weight_sync.py drives."""
+        """Any other POST endpoint on every server (weight_sync.py posts on its own, with its own failure rules)."""
         return self._fanout("POST", path, body)
 
 

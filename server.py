@@ -12,6 +12,7 @@ server_weights.py's; this file routes them there.
 Not implemented: text prompts and stop strings (no tokenizer), streaming, input/top logprobs, penalties and
 constrained decoding (400 with a message), custom weight loaders (400).
 """
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -87,8 +88,8 @@ def parse_json(raw):
 
 
 class Server:
-    """What the handler threads share: the model, the engine and its scheduler thread, the weight-update
-    session and process groups. One method per endpoint: (JSON body, handler) -> JSON-able answer."""
+    """What the handler threads share: the model, the engine and its scheduler thread, the weight-update session
+    and process groups. One method per endpoint: (JSON body, handler) -> JSON-able answer (None: an empty body)."""
 
     def __init__(self, model, model_path="", api_key=None, max_batch=64, max_len=4096, quant="none", record=()):
         self.model, self.model_path, self.api_key, self.max_len = model, model_path, api_key, max_len
@@ -177,11 +178,10 @@ class Server:
         try:
             for p, params, rid, _ in items:
                 reqs.append(self.engine.submit(p, params, rid, record) if params.max_new_tokens > 0 else None)
-            self.wait([r for r in reqs if r is not None], handler)
+            self.wait(list(filter(None, reqs)), handler)
         except BaseException:  # the client left, or the loop died: free the batch slots
-            for r in reqs:
-                if r is not None:
-                    self.engine.abort(r.rid)
+            for r in filter(None, reqs):
+                self.engine.abort(r.rid)
             raise
         finally:
             with self.rids_lock:
@@ -216,7 +216,6 @@ class Server:
     def health(self, body, handler):
         if not self.loop.is_alive() or self.stop.is_set():  # starting or shutting down, as SGLang's 503
             raise BadRequest("the scheduler loop is not running", 503)
-        return None
 
     def health_generate(self, body, handler):
         rid = f"health-{uuid.uuid4().hex}"
@@ -224,7 +223,6 @@ class Server:
         if not req.done.wait(20):
             self.engine.abort(rid)
             raise BadRequest("no token within 20 s (paused, or the scheduler is stuck)", 503)
-        return None
 
     def model_info(self, body, handler):
         return {"model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": None,
@@ -258,7 +256,6 @@ class Server:
             self.engine.abort_all()
         elif isinstance(body.get("rid"), str) and body["rid"]:
             self.engine.abort(body["rid"])
-        return None
 
 
 # -----------------------------------------------------------------------------
@@ -333,14 +330,12 @@ class Handler(BaseHTTPRequestHandler):
             data, ctype = payload.encode(), "text/plain; charset=utf-8"
         else:
             data, ctype = (b"" if payload is None else json.dumps(payload).encode()), "application/json"
-        try:
+        with contextlib.suppress(OSError):  # the client hung up: there is no one to tell
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
-        except OSError:  # the client hung up: there is no one to tell
-            pass
 
     def client_gone(self):
         """True once the client has closed its end. A waiting client sends nothing more, so a readable socket
@@ -444,7 +439,5 @@ def serve(args):
     finally:
         httpd.server_close()
         httpd.app.close()
-        try:
+        with contextlib.suppress(OSError):  # whoever read our stdout is gone (the parent that started us, say)
             print("rollout server stopped", flush=True)
-        except OSError:  # whoever read our stdout is gone (the parent that started us, say)
-            pass

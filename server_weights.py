@@ -2,7 +2,7 @@
 The embedded server's weight updates (server.py routes these endpoints here): update sessions, updates from disk,
 from a process group (/update_weights_from_distributed) and from colocated tensors (/update_weights_from_tensor),
 and the state of quantized serving. The protocol is SGLang's (../shared/docs/sglang_api.md §2); the trainer's
-side is weight_sync.py.
+side is weight_sync.py. The request checks (BadRequest, check, fail, is_int) live here too: server.py uses them.
 
 Every update names its tensors by the checkpoint's official names and is checked whole, names and shapes, before
 anything is copied: a failed update leaves the old weights in place. Weights and version change together while the
@@ -19,8 +19,6 @@ clients repeat one payload per TP rank), load_format null, "direct" or "flattene
 CPU tensors, plain pickle, read by tensor_payload.py's allow-list unpickler, never pickle.loads.
 /update_weights_from_distributed: load_format null (one broadcast per tensor) or "flattened_bucket" (one broadcast of
 the bucket's bytes, laid out in the order of `names`, tensor_payload.layout).
-
-The request checks (BadRequest, check, fail, is_int) live here too: server.py uses them for every endpoint.
 """
 import time
 
@@ -105,18 +103,17 @@ class Weights:
         return len(weights)
 
     def checked(self, named, every):
-        """Names and shapes checked for all tensors before anything is copied, so that a failed update
-        leaves the old weights. `every`: a whole checkpoint must cover the model."""
-        expected = self.expected
-        named = {canonical_name(k): v for k, v in named.items()}
+        """named by official name, checked whole before anything is copied (a failed update leaves the old weights).
+        `every`: a whole checkpoint must cover the model."""
+        expected, named = self.expected, {canonical_name(k): v for k, v in named.items()}
         unknown = sorted(k for k in named if k not in expected)
         missing = sorted(set(expected) - set(named)) if every else []
         shapes = [f"{k}: {tuple(v.shape)} {str(v.dtype)[6:]} vs served {expected[k][0]} "
-                  f"{str(expected[k][1] or 'any dtype')[6:]}" for k, v in named.items() if k in expected and
-                  (tuple(v.shape) != expected[k][0] or expected[k][1] not in (None, v.dtype))]
+                  f"{str(expected[k][1])[6:] if expected[k][1] else 'any dtype'}" for k, v in named.items()
+                  if k in expected and (tuple(v.shape) != expected[k][0] or expected[k][1] not in (None, v.dtype))]
         if unknown or missing or shapes:
-            raise ValueError((f"this server serves {self.quant}: send quant.py's format; " if self.quant != "none" else "")
-                             + f"unknown names {unknown[:8]}, missing {missing[:8]}, mis-shaped {shapes[:8]}")
+            hint = f"this server serves {self.quant}: send quant.py's format; " if self.quant != "none" else ""
+            raise ValueError(hint + f"unknown names {unknown[:8]}, missing {missing[:8]}, mis-shaped {shapes[:8]}")
         return named
 
     def load(self, named, version, flush, rebuild=False):
@@ -148,12 +145,10 @@ class Weights:
         path = body.get("model_path")
         check(isinstance(path, str) and path, "model_path (a checkpoint directory) is required")
         try:
-            named = self.checked(read_checkpoint(path, self.qformats), every=True)
-        except Exception as e:  # no such directory, unreadable file, a checkpoint of another shape
+            named = read_checkpoint(path, self.qformats)
+        except Exception as e:  # no such directory, an unreadable file
             fail(f"failed to load {path}: {type(e).__name__}: {e}; the old weights are still in place")
-        if body.get("abort_all_requests", False):
-            self.engine.abort_all()
-        self.load(named, body.get("weight_version"), body.get("flush_cache", True), rebuild=True)
+        self.update_from(f"failed to load {path}", named, body, every=True, rebuild=True)  # no session: rebuild now
         return {"success": True, "message": f"loaded {len(named)} tensors from {path}", "num_paused_requests": 0}
 
     def update_weight_version(self, body, handler):
@@ -195,15 +190,15 @@ class Weights:
         if not self.session:
             fail(f"{what} must run between begin_weight_update() and end_weight_update()")
 
-    def update_from(self, what, named, body):
-        """The end of a session update: names checked (on a failure the old weights stay), abort if asked, load."""
+    def update_from(self, what, named, body, every=False, rebuild=False):
+        """The end of an update: names checked (on a failure the old weights stay), abort if asked, load."""
         try:
-            named = self.checked(named, every=False)
-        except ValueError as e:
+            named = self.checked(named, every)
+        except ValueError as e:  # a checkpoint of another shape, an unknown name, a full-precision quantized weight
             fail(f"{what}: {e}; the old weights are still in place")
         if body.get("abort_all_requests", False):
             self.engine.abort_all()
-        self.load(named, body.get("weight_version"), body.get("flush_cache", True))
+        self.load(named, body.get("weight_version"), body.get("flush_cache", True), rebuild)
         return {"success": True, "message": f"updated {len(named)} tensors"}
 
     def update_weights_from_distributed(self, body, handler):
@@ -221,25 +216,22 @@ class Weights:
               "shapes must be lists of non-negative ints")
         group, backend = self.groups[name]
         device = "cpu" if backend == "gloo" else self.engine.device
-        try:  # the trainer broadcasts in this same order: each tensor, or the one bucket
+        entries = layout(list(zip(names, shapes, dtypes))) if fmt else None
+        try:  # the trainer broadcasts in this same order: each tensor, or the bucket's bytes in one
             if fmt is None:
-                received = {}
-                for n, dt, shape in zip(names, dtypes, shapes):
-                    received[n] = torch.empty(shape, dtype=dt, device=device)
-                    dist.broadcast(as_bytes(received[n]), src=0, group=group)  # float8 travels as bytes (gloo)
+                bufs = [torch.empty(shape, dtype=dt, device=device) for shape, dt in zip(shapes, dtypes)]
             else:
-                entries = layout(list(zip(names, shapes, dtypes)))
-                flat = torch.empty(entries[-1].end_idx if entries else 0, dtype=torch.uint8, device=device)
-                dist.broadcast(flat, src=0, group=group)
+                bufs = [torch.empty(entries[-1].end_idx if entries else 0, dtype=torch.uint8, device=device)]
+            for buf in bufs:
+                dist.broadcast(as_bytes(buf), src=0, group=group)  # float8 travels as bytes (gloo has none)
         except Exception as e:  # a peer died or timed out: the group is unusable; the trainer makes a new one
             with self.admin:
                 self.groups.pop(name, None)
             fail(f"broadcast in group {name!r} failed: {type(e).__name__}: {e}")
-        if fmt is not None:
-            try:
-                received = unflatten(flat, entries)
-            except ValueError as e:
-                fail(f"update_weights_from_distributed: {e}; the old weights are still in place")
+        try:
+            received = unflatten(bufs[0], entries) if fmt else dict(zip(names, bufs))
+        except ValueError as e:
+            fail(f"update_weights_from_distributed: {e}; the old weights are still in place")
         # checked only now: the broadcasts had to be received either way, or the trainer would hang
         return self.update_from("update_weights_from_distributed", received, body)
 

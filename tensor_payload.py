@@ -1,20 +1,19 @@
 """
-The payload of SGLang's /update_weights_from_tensor (../shared/docs/sglang_api.md §2.1): each entry of
-serialized_named_tensors is base64 of a pickle of [(name, tensor), ...]. weight_sync.py writes it, server.py reads it.
+The payload of SGLang's /update_weights_from_tensor (../shared/docs/sglang_api.md §2.1), written by weight_sync.py,
+read by server_weights.py: each entry of serialized_named_tensors is base64 of a pickle of [(name, tensor), ...].
 
-  CUDA tensors  torch.multiprocessing's ForkingPickler: CUDA IPC handles (rebuild_cuda_tensor). Only a process on this
-                machine that sees the sender's GPU under the same index can open them, and only while the sender keeps
-                the tensors alive. SGLang's own clients send this.
-  CPU tensors   plain pickle: the bytes travel inside (torch.storage._load_from_bytes of a legacy torch.save), so it
-                works between any two processes. ForkingPickler would pass a file descriptor instead
-                (rebuild_storage_fd), which only the sender's own process tree may open: SGLang's scheduler dies on
-                one, the embedded server answers 400.
+  CUDA tensors  torch.multiprocessing's ForkingPickler: CUDA IPC handles (rebuild_cuda_tensor), which only a process
+                on this machine that sees the sender's GPU under the same index can open, while the sender keeps the
+                tensors alive. SGLang's own clients send this.
+  CPU tensors   plain pickle: the bytes travel inside (torch.storage._load_from_bytes of a legacy torch.save), between
+                any two processes. ForkingPickler would pass a file descriptor (rebuild_storage_fd), which only the
+                sender's own process tree may open: SGLang's scheduler dies on one, the embedded server answers 400.
 
 load_format "flattened_bucket" (SGLang's weight_sync/tensor_bucket.py; the form its RL clients send): a dict of one
 uint8 tensor holding every tensor's bytes back to back and a list of SGLang's FlattenedTensorMetadata (name, shape,
 dtype, start_idx, end_idx, numel; the last three in bytes), which cut it up again:
-flat[start_idx:end_idx].view(dtype).reshape(shape). One CUDA IPC handle per bucket instead of one per tensor. A view
-needs its start to be a multiple of its element size, so flatten() puts larger elements first. The distributed
+flat[start_idx:end_idx].view(dtype).reshape(shape). One CUDA IPC handle per bucket instead of one per tensor.
+flatten() puts larger elements first, as a view's start must be a multiple of its element size; the distributed
 transport lays its flattened buckets out the same way (layout()).
 
 Reading never runs pickle.loads: Unpickler.find_class resolves only the globals these forms name, and maps
@@ -164,9 +163,13 @@ def read(entry, flattened=False):
 
 
 class BytesPickler(pickle.Pickler):
-    """Plain pickle with one change: an untyped storage (float8 and e8m0 tensors have one) pickles as a uint8
-    TypedStorage, as torch.load(weights_only=True) cannot read an untyped one. It names the same globals: plain
-    pickle, SGLang and load_storage all read it."""
+    """Plain pickle (the C pickler) with one change: an untyped storage (float8 and e8m0 tensors have one) pickles as
+    a uint8 TypedStorage, as torch.load(weights_only=True) cannot read an untyped one. It names the same globals:
+    plain pickle, SGLang and load_storage all read it. cuda: CUDA tensors as ForkingPickler reduces them."""
+
+    def __init__(self, file, protocol=None, cuda=False):
+        super().__init__(file, protocol)
+        self.dispatch_table = {**copyreg.dispatch_table, **(ForkingPickler._extra_reducers if cuda else {})}
 
     def reducer_override(self, obj):
         if type(obj) is torch.UntypedStorage:
@@ -174,18 +177,10 @@ class BytesPickler(pickle.Pickler):
         return NotImplemented
 
 
-class FlatPickler(BytesPickler):
-    """A flattened bucket's pickle: BytesPickler (the C pickler) at protocol 3, whose GLOBAL opcodes are plain text;
-    CUDA tensors as ForkingPickler reduces them. BucketEntry goes out under its own name, which dumps_flat swaps for
-    SGLang's: the C pickler would import sglang to name SGLang's class, and sglang need not be installed here. (The
-    pure-Python pickler, which could name it, is 12x slower: enough to dominate the trainer's side of the transport.)"""
-
-    def __init__(self, file, cuda):
-        super().__init__(file, protocol=3)
-        self.dispatch_table = {**copyreg.dispatch_table, **(ForkingPickler._extra_reducers if cuda else {})}
-
-
-OUR_ENTRY = f"c{BucketEntry.__module__}\n{BucketEntry.__qualname__}\n".encode()  # protocol 3's GLOBAL opcode
+# A flattened bucket's pickle names BucketEntry, which dumps_flat renames to SGLang's class in protocol 3's GLOBAL
+# opcode (plain text): the C pickler would import sglang to name SGLang's class, and sglang need not be installed
+# here. (The pure-Python pickler, which could name it, is 12x slower: enough to dominate the trainer's side.)
+OUR_ENTRY = f"c{BucketEntry.__module__}\n{BucketEntry.__qualname__}\n".encode()
 SGLANG_GLOBAL = ("c%s\n%s\n" % SGLANG_ENTRY).encode()
 
 
@@ -193,20 +188,14 @@ def dumps_flat(flat, entries):
     """A flattened bucket (flatten()'s two parts) -> one base64 entry, for load_format "flattened_bucket". CUDA:
     the receiver maps flat's memory, so keep flat alive (and unchanged) until it has answered. The metadata is
     pickled first, so the first GLOBAL of BucketEntry comes before any tensor byte and is the one to rename."""
-    buf = io.BytesIO()
-    FlatPickler(buf, flat.is_cuda).dump({"metadata": entries, "flattened_tensor": flat})
+    BytesPickler(buf := io.BytesIO(), 3, flat.is_cuda).dump({"metadata": entries, "flattened_tensor": flat})
     return base64.b64encode(buf.getvalue().replace(OUR_ENTRY, SGLANG_GLOBAL, 1)).decode()
 
 
 def dumps(named):
     """{name: tensor}, all on CUDA or all on the CPU -> one base64 entry. CUDA: the receiver maps this memory, so
     keep the tensors alive (and unchanged) until it has answered."""
-    items, cuda = list(named.items()), {t.is_cuda for t in named.values()}
+    cuda = {t.is_cuda for t in named.values()}
     assert len(cuda) <= 1, "one payload holds CUDA or CPU tensors, not both"
-    if cuda == {True}:
-        data = ForkingPickler.dumps(items)
-    else:
-        buf = io.BytesIO()
-        BytesPickler(buf).dump(items)
-        data = buf.getbuffer()
-    return base64.b64encode(data).decode()
+    BytesPickler(buf := io.BytesIO(), cuda=cuda == {True}).dump(list(named.items()))
+    return base64.b64encode(buf.getbuffer()).decode()

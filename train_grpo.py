@@ -86,7 +86,7 @@ weight_sync_flatten = True  # distributed, tensor: a bucket as one tensor of its
 weight_sync_verify = False  # after each sync, check every tensor's first rows on every server against what was sent
 rollout_quant = 'none'  # 'none' | 'fp8' | 'fp8_fp4': what the rollout engine serves
 rollout_max_batch = 128  # sequences a server decodes at once: a step's 16 x 8 samples in one batch
-rollout_concurrency = 0  # /generate requests in flight per server; 0: max(256, rollout_max_batch)
+rollout_concurrency = 0  # /generate requests in flight a server (0: max(256, rollout_max_batch)); fewer decode in waves
 # data and sampling
 data = 'math'  # 'math' (tasks.py: RL prompts), 'toy', a .jsonl / .parquet path, or a hub dataset name
 eval_data = 'math'  # 'math': the task's fixed held-out set of n_test problems
@@ -238,7 +238,6 @@ if not external:
                                 + ['--kernels', ','.join(kernel_paths) or 'reference']).start(str(weight_version))
         rollout_url = server.url
     rollout_url = parallel.broadcast_object(rollout_url, 0, grid.world_group, 'rollout url')
-# fewer requests in flight than a server's batch would decode a step's samples in waves, each as long as the longest
 client = RolloutClient(rollout_url, api_key=rollout_api_key or None, timeout=rollout_timeout, max_concurrency=(
     rollout_concurrency or max(256, rollout_max_batch)) * len(rollout_url.split(',')))
 

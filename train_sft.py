@@ -64,6 +64,7 @@ math_digits = 1  # digits per operand
 math_ops = '+-'  # from '+-*'
 math_words = 0.0  # share of word problems
 math_teacher_error = 0.4  # share of solutions with a miscopied intermediate result (tasks.math_batch): GRPO fixes it
+math_teacher_bug = 0.0  # share of solutions that subtract without borrowing (tasks.math_batch): fails the same problems
 batch_size = 64  # problems per step, all DP ranks together
 # optimizer
 lr = 3e-3
@@ -94,8 +95,9 @@ try:
                          f"{args.vocab_size}")
     knobs = dict(steps=math_steps, digits=math_digits, ops=math_ops, words=math_words)
     test = math_problems('test', n_test, **knobs) if n_test else []
-    if not 0 <= math_teacher_error < 1:
-        raise ValueError(f"math_teacher_error={math_teacher_error}: a share, 0 <= math_teacher_error < 1")
+    if not (0 <= math_teacher_error and 0 <= math_teacher_bug and math_teacher_error + math_teacher_bug < 1):
+        raise ValueError(f"math_teacher_error={math_teacher_error}, math_teacher_bug={math_teacher_bug}: shares of the "
+                         f"solutions, >= 0 and together < 1")
 except ValueError as e:  # bad config is a usage error: say it and exit 2
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -146,7 +148,7 @@ def save_and_evaluate(step):
         eval_model = from_pretrained(out_dir, device=grid.device, dtype=ptype)  # what GRPO will start from
         eval_model.set_kernels(fast)
         max_len = max(len(prompt_ids(tok, p['prompt'])) for p in test) + max_new_tokens
-        ev = evaluate(LocalClient(Engine(eval_model, max_batch=256, max_len=max_len)), tok, test, eval_n_samples,
+        ev = evaluate(LocalClient(Engine(eval_model, max_batch=min(1024, len(test) * eval_n_samples), max_len=max_len)), tok, test, eval_n_samples,
                       dict(temperature=eval_temperature, top_p=1.0, max_new_tokens=max_new_tokens), seed=seed, chat=False)
         res = {f'eval_{k}': v for k, v in ev.items() if k != 'per_problem'}
         res['t_eval'], res['summary'] = time.time() - t, summary(ev)
@@ -166,7 +168,7 @@ rng = random.Random(seed)  # the same stream on every rank: one global batch a s
 loss_fn = lambda lg, mb: -(grpo.token_logprobs(lg, mb) * mb['weight'] * mb['mask']).sum()
 for step in range(max_steps):
     t0 = time.time()
-    batch = math_batch(rng, batch_size, **knobs, teacher_error=math_teacher_error)
+    batch = math_batch(rng, batch_size, **knobs, teacher_error=math_teacher_error, teacher_bug=math_teacher_bug)
     pairs = [(prompt_ids(tok, p['prompt']), tok.encode(p['solution']) + [tok.eos_id]) for p in batch]
     n_tokens = sum(len(r) for _, r in pairs)  # the loss is a mean over every solution token of the global batch
     mine = pairs[grid.dp_rank::grid.dp_size]

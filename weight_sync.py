@@ -44,7 +44,6 @@ import torch.distributed as dist
 import tensor_payload
 from parallel import barrier, init_weight_update_group, named
 from quant import as_bytes, e8m0_to_float, quantize_tensor, quantized_meta
-from rollout import RETRYABLE
 
 GROUP = {}  # this rank's live weight-update groups: "urls", "names" (one per stage), "pg" (stage senders only)
 
@@ -56,29 +55,23 @@ class SyncError(RuntimeError):
         self.urls = urls
 
 
-def my_tensors(model, grid):
-    """{official name: tensor} this rank writes (see the module docstring for who writes what)."""
-    return {k: v for k, v in model.state_dict().items()
-            if (grid.edp_rank == 0 if ".experts." in k else grid.dp_rank == 0)}
-
-
 def save_weights(model, grid, path, args, quant="none"):
     """Every writer saves model-rank{r}-of{w}.safetensors into path, quantized for rollout_quant; rank 0 adds
     config.json and the index (transformers' from_pretrained reads it too). Collective. -> (the first rows of
     what this rank wrote, for verify; its bytes)."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
-    mine = {n: q.contiguous().cpu() for k, v in my_tensors(model, grid).items()
+    mine = {n: q.contiguous().cpu() for k, v in model.state_dict().items()
+            if (grid.edp_rank == 0 if ".experts." in k else grid.dp_rank == 0)  # what this rank writes (docstring)
             for n, q in quantize_tensor(k, v.detach(), quant).items()}
     fname = f"model-rank{grid.rank:05d}-of-{grid.world_size:05d}.safetensors"
     nbytes = sum(v.nbytes for v in mine.values())
     if mine:
         save_file(mine, os.path.join(path, fname), metadata={"format": "pt"})
-    names = [(list(mine), fname, nbytes)]
+    names = [(list(mine), fname, nbytes)] * grid.world_size  # every writer's (keys, file, bytes), for the index
     if grid.world_size > 1:
-        names = [None] * grid.world_size
         with named("all_gather_object(shard names)", dist.group.WORLD):
-            dist.all_gather_object(names, (list(mine), fname, nbytes))
+            dist.all_gather_object(names, names[0])
     if grid.rank == 0:
         index = {k: f for keys, f, _ in names for k in keys}
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
@@ -141,10 +134,8 @@ def agree(grid, err, src=None):
 
 def tp_sizes(grid, client, urls):
     """Ranks per server, SGLang's tp_size (the embedded server has no /server_info: 1), as rank 0 asked them."""
-    tps = [1] * len(urls)
-    for i, url in enumerate(urls if grid.rank == 0 else []):
-        out, err = client._call(url, "GET", "/server_info", timeout=30)
-        tps[i] = out.get("tp_size", 1) if err is None and isinstance(out, dict) else 1
+    answers = [client._call(url, "GET", "/server_info", timeout=30) for url in urls] if grid.rank == 0 else []
+    tps = [out.get("tp_size", 1) if err is None and isinstance(out, dict) else 1 for out, err in answers]
     return agree(grid, tps, src=0)
 
 
@@ -160,7 +151,7 @@ def make_groups(grid, client, urls, token, timeout):
         err = None
         if grid.rank == p * grid.dp_size:  # the sender of stage p: its dp_rank 0 (parallel.py's grid)
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # our address, as the servers reach us
-                s.connect((urls[0].split("://")[1].rsplit(":", 1)[0], 80))
+                s.connect((urlsplit(urls[0]).hostname, 80))
                 addr = s.getsockname()[0]
             with socket.socket() as s:
                 s.bind(("", 0))
@@ -292,16 +283,6 @@ def session(grid, client, urls, timeout, send):
     return agree(grid, err)
 
 
-def sync_distributed(model, grid, client, urls, token, quant, version, limit, timeout, flat, stats, samples):
-    """After a failure the groups are dropped (the next sync makes new ones) and SyncError raised."""
-    if GROUP.get("urls") != tuple(urls):  # the first sync, or other servers: new groups
-        make_groups(grid, client, urls, token, timeout)
-    if err := session(grid, client, urls, timeout, lambda p: send_stage(model, grid, quant, limit, broadcast(
-            client, urls, GROUP["names"][p], version, timeout, flat), stats, samples)):
-        teardown(grid, client, urls, min(timeout, 30))
-        raise SyncError(*err)
-
-
 # -----------------------------------------------------------------------------
 # the tensor transport
 
@@ -314,9 +295,9 @@ def on_this_machine(url):
         return False
 
 
-def sync_tensor(model, grid, client, urls, quant, version, limit, timeout, flat, stats, samples):
-    """-> error or None. CUDA IPC handles open only on this machine: a far server is a config error (SGLang's
-    scheduler would die on the handles)."""
+def colocated(grid, client, urls, version, timeout, flat):
+    """The tensor transport's push. Collective. CUDA IPC handles open only on this machine: a far server is a config
+    error (SGLang's scheduler would die on the handles)."""
     if grid.device.type == "cuda":
         far = agree(grid, [u for u in urls if not on_this_machine(u)] if grid.dp_rank == 0 else None)
         if far:
@@ -330,7 +311,7 @@ def sync_tensor(model, grid, client, urls, quant, version, limit, timeout, flat,
         return failed(errors(post(client, urls, "/update_weights_from_tensor", {
             u: {"serialized_named_tensors": [entry] * tp, "load_format": "flattened_bucket" if flat else None,
                 "flush_cache": False, "weight_version": version} for u, tp in zip(urls, tps)}, timeout)), what)
-    return session(grid, client, urls, timeout, lambda p: send_stage(model, grid, quant, limit, push, stats, samples))
+    return push
 
 
 def check_samples(client, urls, samples, timeout):
@@ -339,14 +320,12 @@ def check_samples(client, urls, samples, timeout):
     def check(url):
         for name, want in samples.items():
             want = (e8m0_to_float(want) if want.dtype == torch.float8_e8m0fnu else want.float()).cpu()
-            try:
-                status, got = client._http(url, "POST", "/get_weights_by_name", {"name": name, "truncate_size": 2},
-                                           timeout)
-            except RETRYABLE as e:
-                return f"verify: {type(e).__name__}: {e}"
-            got = torch.tensor(got) if status == 200 else None
-            if got is None or not (torch.equal(got, want) or torch.equal(got, want.bfloat16().float())):
-                return f"verify: {name} differs from what the trainer sent (HTTP {status})"
+            got, err = client._call(url, "POST", "/get_weights_by_name", {"name": name, "truncate_size": 2}, timeout)
+            if err is not None:
+                return f"verify: {name}: {err}"
+            got = torch.tensor(got)
+            if not (torch.equal(got, want) or torch.equal(got, want.bfloat16().float())):
+                return f"verify: {name} differs from what the trainer sent"
     return errors({u: background(check, u) for u in urls})
 
 
@@ -367,7 +346,7 @@ def sync(model, grid, client, args, path, mode="disk", version="1", quant="none"
     try:
         if not up:
             raise SyncError(f"no rollout server is up: {client.urls}", list(client.urls))
-        err = None
+        err, limit = None, int(bucket_mb * (1 << 20))
         if mode == "disk":
             samples, stats["bytes"] = save_weights(model, grid, path, args, quant)
             stats["names"] = list(samples)
@@ -375,11 +354,16 @@ def sync(model, grid, client, args, path, mode="disk", version="1", quant="none"
                 err = failed(errors(post(client, up, "/update_weights_from_disk", {"model_path": os.path.abspath(path),
                              "weight_version": version}, timeout)), "update_weights_from_disk failed on:")
         elif mode == "distributed":
-            sync_distributed(model, grid, client, up, token, quant, version, int(bucket_mb * (1 << 20)), timeout,
-                             flatten, stats, samples)
+            if GROUP.get("urls") != tuple(up):  # the first sync, or other servers: new groups
+                make_groups(grid, client, up, token, timeout)
+            err = session(grid, client, up, timeout, lambda p: send_stage(model, grid, quant, limit, broadcast(
+                client, up, GROUP["names"][p], version, timeout, flatten), stats, samples))
+            if err:  # the groups may be broken: drop them (the next sync makes new ones)
+                teardown(grid, client, up, min(timeout, 30))
         else:
-            err = sync_tensor(model, grid, client, up, quant, version, int(bucket_mb * (1 << 20)), timeout, flatten,
-                              stats, samples)
+            push = colocated(grid, client, up, version, timeout, flatten)  # collective: before the session
+            err = session(grid, client, up, timeout,
+                          lambda p: send_stage(model, grid, quant, limit, push, stats, samples))
         err = agree(grid, err)  # every server has the weights now (or the sync failed), so verify may look
         if verify and not err:
             err = agree(grid, failed(check_samples(client, up, samples, timeout), "verify failed on:"))

@@ -1,6 +1,7 @@
 # The seed's before/after table at our scale, on one H200: GRPO with the DAPO settings from the base that
 # config/sft_h200_math.py makes, on RL prompts the SFT never saw, held-out pass@1 and pass@8 on 200 problems.
-# Not yet run on a GPU. Each command on the lent H200 runs <= 10 minutes, so the run goes in parts:
+# Steps 0-28 ran with the random-slip base (bench/RESULTS.md); with config/sft_h200_math.py's misconception teacher
+# it is not yet run. Each command on the lent H200 runs <= 10 minutes, so the run goes in parts:
 #   python train_sft.py config/sft_h200_math.py                      # the base, in out/h200_math/base
 #   python train_grpo.py config/h200_math.py                          # GRPO; checkpoints every 10 steps
 #   python train_grpo.py config/h200_math.py --resume=True            # again until step 100
@@ -18,7 +19,7 @@ rollout_quant = 'none'  # --rollout_quant=fp8 for the seed's own setting
 rollout_max_batch = 1024  # a step's 512 samples in one wave, an eval's 1600 in two
 
 data, eval_data = 'math', 'math'
-math_steps, math_digits, math_ops, math_words = 3, 2, '+-', 0.0  # as in sft_config
+math_steps, math_digits, math_ops, math_words = 3, 2, '+--', 0.0  # as in sft_config
 n_rl, n_test = 4000, 200
 n_prompts, n_samples = 64, 8
 max_prompt_len, max_new_tokens = 64, 160  # prompts are <= 16 bytes, worked solutions <= 128

@@ -1,13 +1,15 @@
 # The base for config/h200_math.py on one H200: config/models/math_265m.json (265M parameters, 95M active: CSA +
 # indexer and HCA layers, 2 hash-routed layers, 16 experts top-4 + a shared one, mHC with 4 streams, no MTP)
-# trained from scratch on worked solutions of three-operation, two-digit problems, half of them from the noisy
-# teacher (tasks.math_batch), so the base writes well-formed solutions that are often wrong.
-# Not yet run on a GPU: max_steps, lr and math_teacher_error are first settings, to be checked against the
-# held-out pass@1 at the end (the target is 0.2-0.6 with >= 90% well-formed).
+# trained from scratch on worked solutions of three-operation, two-digit problems (two subtractions to an addition),
+# 90% of them from a teacher who subtracts without borrowing (tasks.math_batch's teacher_bug), so the base writes
+# well-formed solutions that fail most problems with a borrow, the same ones in every sample: pass@8 has room to grow.
+# A teacher who slips at random instead (math_teacher_error=0.5, math_ops='+-', 335 steps) gave a base at pass@1
+# 0.567 but pass@8 0.995, and GRPO took pass@1 to 0.996 in 25 steps (2026-12-05, H200, 1cb239f; bench/RESULTS.md).
+# 335 steps take 5 min on an H200 (0.88 s a step); math_teacher_bug is a first setting, not yet run.
 #   python train_sft.py config/sft_h200_math.py          # writes out/h200_math/base, where h200_math.py looks
 out_dir = 'out/h200_math/base'
 seed = 1337
-max_steps = 1000
+max_steps = 330
 
 init_from = 'scratch'
 model_config = 'config/models/math_265m.json'
@@ -16,9 +18,10 @@ tokenizer = 'bytes'
 
 math_steps = 3
 math_digits = 2
-math_ops = '+-'
+math_ops = '+--'  # ops are drawn uniformly from the string
 math_words = 0.0
-math_teacher_error = 0.5
+math_teacher_error = 0.0
+math_teacher_bug = 0.9
 batch_size = 256
 n_microbatches = 2
 
@@ -28,7 +31,7 @@ warmup_steps = 50
 min_lr_ratio = 0.1
 grad_clip = 1.0
 
-eval_interval = 250
+eval_interval = 0  # the held-out eval after the last step (~1 min)
 n_test = 200
 eval_n_samples = 8
 eval_temperature = 1.0

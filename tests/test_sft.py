@@ -84,7 +84,8 @@ def test_bad_input_is_a_usage_error(tmp_path):
     for bad, says in ((f"--init_from={tmp_path}", "is not a checkpoint directory"),
                       (f"--model_config={tmp_path / 'small.json'}", "259 ids, more than the model's vocab_size 200"),
                       ("--math_steps=1", "gave only 17 distinct problems"),
-                      ("--math_teacher_error=1.0", "0 <= math_teacher_error < 1")):
+                      ("--math_teacher_error=1.0", "math_teacher_bug=0.0: shares of the solutions"),
+                      ("--math_teacher_bug=0.6", "math_teacher_error=0.4, math_teacher_bug=0.6")):
         p = run(tmp_path / "out", bad, check=False)
         assert p.returncode == 2 and says in p.stderr, (bad, p.stderr[-2000:])
 

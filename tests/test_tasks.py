@@ -108,6 +108,29 @@ def test_teacher_error_rate_and_what_it_leaves_alone():
         math_batch(random.Random(0), 1, teacher_error=1.0)
 
 
+def test_teacher_bug_fails_exactly_the_problems_that_borrow():
+    """The misconception (teacher_bug): a borrowing column takes its 10 and the lender keeps its digit. Its solutions
+    are wrong on every problem with a borrow (some a - b whose last i digits are below b's) and right on the rest;
+    the problems are those any other teacher gets."""
+    assert math_step(83, "-", 47, no_borrow=True) == ("83-47: 13-7=6, 8-4=4, so 46.", 46)
+    assert math_step(103, "-", 5, no_borrow=True) == ("103-5: 13-5=8, 0-0=0, 1-0=1, so 108.", 108)
+    assert math_step(58, "-", 7, no_borrow=True) == math_step(58, "-", 7)
+
+    def borrows(key):
+        value, hit = int(re.match(r"\d+", key).group()), False
+        for op, b in re.findall(r"([+*-])(\d+)", key):
+            b = int(b)
+            hit |= op == "-" and any(value % 10 ** i < b % 10 ** i for i in range(1, len(str(value)) + 1))
+            value = {"+": value + b, "-": value - b, "*": value * b}[op]
+        return hit
+    buggy = math_batch(random.Random(5), 1000, steps=3, digits=2, teacher_bug=0.999999)
+    assert [p["key"] for p in buggy] == [p["key"] for p in math_batch(random.Random(5), 1000, steps=3, digits=2)]
+    wrong = [math_reward(p["solution"], p["answer"]) == 0.0 for p in buggy]
+    assert wrong == [borrows(p["key"]) for p in buggy] and 0.3 < sum(wrong) / len(wrong) < 0.8
+    with pytest.raises(ValueError, match="teacher_bug"):
+        math_batch(random.Random(0), 1, teacher_error=0.5, teacher_bug=0.5)
+
+
 def test_columns_read_as_on_paper():
     assert math_step(3, "+", 8) == ("3+8=11.", 11)
     assert math_step(97, "+", 70) == ("97+70: 7+0=7, 9+7=16, so 167.", 167)
