@@ -77,18 +77,21 @@ def parse_sample(url, out, body=None):
 
 
 class Progress:
-    """done/total and tokens/s as one `\\r` line on stderr; only on a terminal, so that logs stay clean."""
-    def __init__(self, total, desc):
+    """done/total and tokens/s on stderr: on a terminal one `\\r` line redrawn 5 times a second; in a log a line every
+    `every` seconds and one at the end, only for a phase that lasts that long, so that short ones leave no trace."""
+    def __init__(self, total, desc, every=10.0):
         self.total, self.desc, self.done, self.tokens = total, desc, 0, 0
         self.t0 = self.last = time.time()
-        self.live = total > 0 and sys.stderr.isatty()
+        self.tty, self.every = sys.stderr.isatty(), every
 
     def update(self, tokens):
         self.done, self.tokens, now = self.done + 1, self.tokens + tokens, time.time()
-        if self.live and (now - self.last > 0.2 or self.done == self.total):
+        end, period = self.done == self.total, 0.2 if self.tty else self.every
+        if self.total and (now - self.last > period or end and (self.tty or now - self.t0 > period)):
             self.last, dt = now, now - self.t0
-            print(f"\r{self.desc}: {self.done}/{self.total} | {self.tokens} tokens | {self.tokens / max(dt, 1e-6):.0f} "
-                  f"tok/s | {dt:.1f}s", end="\n" if self.done == self.total else "", file=sys.stderr, flush=True)
+            print(f"{chr(13) if self.tty else ''}{self.desc}: {self.done}/{self.total} | {self.tokens} tokens | "
+                  f"{self.tokens / max(dt, 1e-6):.0f} tok/s | {dt:.1f}s", end="\n" if end or not self.tty else "",
+                  file=sys.stderr, flush=True)
 
 
 class RolloutClient:

@@ -17,6 +17,7 @@ from conftest import randomize_
 from checkpoint import from_pretrained, save_pretrained
 from model_dsv4 import ModelArgs, Transformer
 from parallel import init_weight_update_group
+import rollout
 from rollout import RolloutClient
 
 KEY = "test-key"
@@ -200,3 +201,21 @@ def test_client_failover(url):
     with pytest.raises(RuntimeError, match="unreachable") as err:
         RolloutClient(dead, backoff=0.05).generate(PROMPTS, n=1, sampling={}, seed=0)
     assert all(u in str(err.value) for u in dead)
+
+
+def test_progress_in_a_log_prints_a_line_every_period(capsys, monkeypatch):
+    """Not a terminal: a phase longer than the period prints a line with the rate every period and one at its end; a
+    shorter one prints nothing (a log file keeps one line per step)."""
+    clock = iter([0.0, 4.0, 11.0, 15.0, 23.0, 25.0])  # the constructor, then one reading per update
+    monkeypatch.setattr(rollout.time, "time", lambda: next(clock))
+    bar = rollout.Progress(5, "step 3 rollout")
+    for _ in range(5):
+        bar.update(100)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["step 3 rollout: 2/5 | 200 tokens | 18 tok/s | 11.0s",
+                     "step 3 rollout: 4/5 | 400 tokens | 17 tok/s | 23.0s",
+                     "step 3 rollout: 5/5 | 500 tokens | 20 tok/s | 25.0s"], lines
+    clock = iter([0.0, 1.0, 2.0])
+    short = rollout.Progress(2, "eval")
+    short.update(5), short.update(5)
+    assert capsys.readouterr().err == ""
