@@ -101,12 +101,14 @@ def math_step(a, op, b, no_borrow=False):
             cols.append(f"{x}+{y}" + ("+1" if carry else "") + f"={x + y + carry}")
             carry = (x + y + carry) // 10
         elif op == "-":  # no_borrow: the misconception of math_batch's teacher_bug, the lender keeps its digit
-            x, carry = x - carry * (not no_borrow), int(x - carry * (not no_borrow) < y)
+            x -= 0 if no_borrow else carry
+            carry = int(x < y)
             cols.append(f"{x + 10 * carry}-{y}={x + 10 * carry - y}")
-            c = c if not no_borrow else int("".join(col.split("=")[1] for col in cols[::-1]))
         else:
             cols.append(f"{x}*{b}" + (f"+{carry}" if carry else "") + f"={x * b + carry}")
             carry = (x * b + carry) // 10
+    if op == "-" and no_borrow:  # the result is what the columns wrote, not a - b
+        c = int("".join(col.split("=")[1] for col in cols[::-1]))
     return f"{a}{op}{b}: {', '.join(cols)}, so {c}.", c
 
 

@@ -148,7 +148,8 @@ def save_and_evaluate(step):
         eval_model = from_pretrained(out_dir, device=grid.device, dtype=ptype)  # what GRPO will start from
         eval_model.set_kernels(fast)
         max_len = max(len(prompt_ids(tok, p['prompt'])) for p in test) + max_new_tokens
-        ev = evaluate(LocalClient(Engine(eval_model, max_batch=min(1024, len(test) * eval_n_samples), max_len=max_len)), tok, test, eval_n_samples,
+        engine = Engine(eval_model, max_batch=min(1024, len(test) * eval_n_samples), max_len=max_len)
+        ev = evaluate(LocalClient(engine), tok, test, eval_n_samples,
                       dict(temperature=eval_temperature, top_p=1.0, max_new_tokens=max_new_tokens), seed=seed, chat=False)
         res = {f'eval_{k}': v for k, v in ev.items() if k != 'per_problem'}
         res['t_eval'], res['summary'] = time.time() - t, summary(ev)
