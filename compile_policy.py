@@ -8,8 +8,14 @@ decode (inside the engine's CUDA graphs) alike.
   'hot'     the chains of small elementwise ops: mHC's activations and Sinkhorn, norms, RoPE (compile_hot_paths)
   'layers'  a whole layer at a time, the head and the losses (compile_layers)
   'graphs'  bench/bench.py only: 'layers' with the trainer's layers recorded as CUDA graphs
+
+Any mode but 'off' also keeps inductor's compiled graphs and Triton kernels in one directory the user sees
+(`compile_cache`, default out/compile_cache), so a second launch loads what the first compiled, and prints each
+library warning once.
 """
 import functools
+import os
+import warnings
 
 import torch
 
@@ -21,13 +27,42 @@ import model_dsv4
 import parallel
 
 
-def use_compile(mode):
+def use_compile(mode, cache_dir="out/compile_cache"):
+    if mode != "off":
+        set_cache_dir(cache_dir)
+        warn_once()
     if mode == "hot":
         compile_hot_paths()
     elif mode in ("layers", "graphs"):
         compile_layers(graphs=mode == "graphs")
     elif mode != "off":
         raise ValueError(f"compile must be 'off', 'hot' or 'layers', got {mode!r}")
+
+
+def set_cache_dir(path):
+    """inductor's FX graph and autograd caches and Triton's kernels (its triton/ subfolder) go under `path`; the
+    embedded server, a child process, inherits it. A TORCHINDUCTOR_CACHE_DIR set in the environment wins. Returns the
+    directory in use."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(os.path.expanduser(path)))
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def warn_once():
+    """Print each warning (category and text) once in this process. Python's default already shows a warning once
+    per place, but it forgets what it showed whenever the warning filters change, and torch.compile changes them
+    while it works (catch_warnings in dynamo and in inductor's CUDA-graph trees): inductor's "Online softmax is
+    disabled on the fly ..." then came back for every graph compiled."""
+    show = warnings.showwarning
+    if getattr(show, "seen", None) is not None:  # installed already
+        return
+    seen = set()
+
+    def show_once(message, category, filename, lineno, file=None, line=None):
+        if (category, str(message)) not in seen:
+            seen.add((category, str(message)))
+            show(message, category, filename, lineno, file, line)
+    show_once.seen = seen
+    warnings.showwarning = show_once
 
 
 def compile_layers(backend="inductor", graphs=False):

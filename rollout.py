@@ -361,6 +361,8 @@ if __name__ == "__main__":
                    "paths to take (kernel_check.py; auto checks them on this GPU)")
     p.add_argument("--compile", default="off", choices=["off", "hot", "layers"],
                    help="torch.compile: mHC/norm/RoPE functions (hot) or each layer's decode step (layers, GPU only)")
+    p.add_argument("--compile-cache", default="out/compile_cache", help="inductor's and Triton's compile caches "
+                   "(TORCHINDUCTOR_CACHE_DIR wins; an embedded server inherits its trainer's)")
     p.add_argument("--enable-return-routed-experts", dest="record", action="append_const", const="routed_experts",
                    default=[], help="record each token's experts, for return_routed_experts (routing replay)")
     p.add_argument("--enable-return-indexer-topk", dest="record", action="append_const", const="indexer_topk",

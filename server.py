@@ -418,7 +418,7 @@ def exit_with(pid):
 
 def serve(args):
     """`python rollout.py --serve ...`: one ready line with the URL, then serve until Ctrl-C or SIGTERM."""
-    compile_policy.use_compile(args.compile)  # before the engine exists: its first decode steps compile
+    compile_policy.use_compile(args.compile, args.compile_cache)  # before the engine exists: its first decode steps compile
     httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
                   args.max_batch, args.max_len, background=False, quant=args.quant, fp8_emu=args.fp8_emu,
                   invariant=args.invariant, record=args.record, kernels=args.kernels)

@@ -65,6 +65,7 @@ model_config = 'config/models/micro.json'  # init_from='scratch': the architectu
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
 kernels = 'auto'  # 'auto': the fast paths (dsv4_kernels/) that pass kernel_check.py on this GPU | 'fast' | 'reference'
 compile = 'off'  # torch.compile 'hot' paths (Sinkhorn, norms, RoPE) | whole 'layers' (compile_policy.py); the server too
+compile_cache = 'out/compile_cache'  # inductor's and Triton's caches (TORCHINDUCTOR_CACHE_DIR wins): the next launch loads them
 invariant = False  # trainer and embedded server path-invariant (model.set_invariant): rollout logprobs equal the trainer's bit for bit; slow
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the math and toy tasks, else 'deepseek-v4'
 resume = False  # continue from the newest complete checkpoint in out_dir
@@ -200,7 +201,9 @@ model = parallel.build_stage(args, grid, dtype=ptype, pp_layers=split, init=mode
 if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
 model.set_kernels(kernel_paths := choose_kernels(kernels, args, grid.device, ptype, print0)).set_invariant(invariant)
-compile_policy.use_compile(compile)  # swaps model_dsv4's (and the engine's) functions for compiled ones
+compile_policy.use_compile(compile, compile_cache)  # swaps model_dsv4's (and the engine's) functions for compiled ones
+if compile != 'off':
+    print0(f"compile cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
 pad_to = length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths
 replayed = replay.columns(args, model.layers, replay.fields(routing_replay, indexer_replay))  # the servers' ids we replay
 IO = ('embed.', 'head.', 'norm.', 'hc_head_')

@@ -161,3 +161,33 @@ def test_compiled_prefill_equals_eager_and_stops_compiling(compile_layers):
         cache.prefill(model, [0, 1, 2, 3],
                       [torch.randint(2, args.vocab_size, (n,), generator=g).tolist() for n in (270, 300, 10, 140)])
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_warnings_once_and_the_cache_dir(monkeypatch):
+    """compile_policy.warn_once: a warning shows once even though the filters change between its repeats (as
+    torch.compile's catch_warnings does, which makes Python's own once-per-place memory forget it); another text still
+    shows. set_cache_dir: the compile cache goes where the config says, unless TORCHINDUCTOR_CACHE_DIR is set."""
+    import warnings
+    import compile_policy
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *a, **k: shown.append(str(message)))
+    monkeypatch.setattr(warnings, "filters", [])
+    warnings.simplefilter("default")  # Python's own policy: once per place
+
+    def warn_three_times():
+        for _ in range(3):
+            warnings.warn("inductor decides to split the reduction", UserWarning)
+            with warnings.catch_warnings():  # what dynamo and inductor's CUDA-graph trees do around their work
+                pass
+        warnings.warn("another text", UserWarning)
+    warn_three_times()
+    assert shown.count("inductor decides to split the reduction") == 3  # without warn_once: every time
+    shown.clear()
+    compile_policy.warn_once()
+    compile_policy.warn_once()  # a second call wraps nothing more
+    warn_three_times()
+    assert shown == ["inductor decides to split the reduction", "another text"], shown
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert compile_policy.set_cache_dir("~/cc") == os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.expanduser("~/cc")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/mine")
+    assert compile_policy.set_cache_dir("out/compile_cache") == "/tmp/mine"
