@@ -44,7 +44,8 @@ from tasks import load_tokenizer, math_problems, prompt_ids  # noqa: E402
 p = argparse.ArgumentParser()
 p.add_argument("--side", choices=["ours", "trl"])
 p.add_argument("--report", action="store_true", help="print the table from OUT/ours.json and OUT/trl.json")
-p.add_argument("--model", default="config/models/bench_2b.json", help="its vocabulary holds DeepSeek-V4's tokenizer")
+p.add_argument("--model", default="config/models/bench_2b.json", help="the architecture (its vocabulary is widened "
+               "to DeepSeek-V4's tokenizer where smaller, e.g. config/models/tiny.json for a CPU check)")
 p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--n_prompts", type=int, default=16)
@@ -60,11 +61,12 @@ cli = p.parse_args()
 N_RL = 400  # train_grpo.py's n_rl: the RL pool the stream cycles through
 
 
-def shared_model():
+def shared_model(vocab_size):
     """OUT/model: a random V4 of --model's architecture without MTP, drawn once and loaded by both sides."""
     d = os.path.join(cli.out, "model")
     if not os.path.exists(os.path.join(d, "config.json")):
         args = ModelArgs.from_json(cli.model)
+        args.vocab_size = max(args.vocab_size, vocab_size)
         args.num_nextn_predict_layers = 0
         args.compress_ratios = args.compress_ratios[:args.num_hidden_layers]
         dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -188,8 +190,7 @@ def summary(res):
     rest = res["steps"][1:] or res["steps"]
     med = {k: statistics.median(s[k] for s in rest) for k in ("rollout", "train", "sync", "tokens")}
     total = med["rollout"] + med["train"] + med["sync"]
-    samples = cli.n_prompts * cli.n_samples
-    return dict(total=total, samples_s=samples / total, tokens_s=med["tokens"] / total, **med)
+    return dict(total=total, samples_s=res["samples"] / total, tokens_s=med["tokens"] / total, **med)
 
 
 def report():
@@ -219,11 +220,9 @@ if __name__ == "__main__":
         p.error("--mb must divide n_prompts x n_samples")
     os.makedirs(cli.out, exist_ok=True)
     tok = load_tokenizer("deepseek-v4")
-    if ModelArgs.from_json(cli.model).vocab_size < tok.vocab_size:
-        p.error(f"{cli.model}: a vocabulary smaller than DeepSeek-V4's tokenizer ({tok.vocab_size} ids)")
-    model_dir = shared_model()
+    model_dir = shared_model(tok.vocab_size)
     res = run_ours(model_dir) if cli.side == "ours" else run_trl(model_dir, stream(tok), tok)
-    res.update(device=device_name(), torch=torch.__version__,
+    res.update(device=device_name(), torch=torch.__version__, samples=cli.n_prompts * cli.n_samples,
                setup=f"{cli.n_prompts} prompts x {cli.n_samples} samples, {cli.max_new_tokens} new tokens, "
                      f"micro-batches of {cli.mb}, {cli.dtype}, model {cli.model} without MTP")
     json.dump(res, open(os.path.join(cli.out, f"{cli.side}.json"), "w"), indent=1)

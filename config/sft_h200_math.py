@@ -5,7 +5,9 @@
 # well-formed solutions that fail most problems with a borrow, the same ones in every sample: pass@8 has room to grow.
 # A teacher who slips at random instead (math_teacher_error=0.5, math_ops='+-', 335 steps) gave a base at pass@1
 # 0.567 but pass@8 0.995, and GRPO took pass@1 to 0.996 in 25 steps (2026-12-05, H200, 1cb239f; bench/RESULTS.md).
-# 335 steps take 5 min on an H200 (0.88 s a step); math_teacher_bug is a first setting, not yet run.
+# 335 steps take 5 min on an H200 (0.88 s a step); math_teacher_bug is a first setting, not yet run. What to expect:
+# the bug's solution is wrong on 62.5% of 4,000 problems of the held-out pool, so a base that copies the
+# teacher would score pass@1 ~0.44 and pass@8 ~0.73 (1 - 0.625 x 0.9^8), and a cured one 1.0 on both.
 #   python train_sft.py config/sft_h200_math.py          # writes out/h200_math/base, where h200_math.py looks
 out_dir = 'out/h200_math/base'
 seed = 1337
