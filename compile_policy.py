@@ -28,8 +28,8 @@ import parallel
 
 
 def use_compile(mode, cache_dir="out/compile_cache"):
+    """Returns the compile cache's directory, or None when mode is 'off'."""
     if mode != "off":
-        set_cache_dir(cache_dir)
         warn_once()
     if mode == "hot":
         compile_hot_paths()
@@ -37,13 +37,16 @@ def use_compile(mode, cache_dir="out/compile_cache"):
         compile_layers(graphs=mode == "graphs")
     elif mode != "off":
         raise ValueError(f"compile must be 'off', 'hot' or 'layers', got {mode!r}")
+    return set_cache_dir(cache_dir) if mode != "off" else None
 
 
 def set_cache_dir(path):
     """inductor's FX graph and autograd caches and Triton's kernels (its triton/ subfolder) go under `path`; the
-    embedded server, a child process, inherits it. A TORCHINDUCTOR_CACHE_DIR set in the environment wins. Returns the
-    directory in use."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(os.path.expanduser(path)))
+    embedded server, a child process, inherits it. A TORCHINDUCTOR_CACHE_DIR the user set wins; importing inductor
+    sets it to torch's default (/tmp/torchinductor_USER), which does not count. Returns the directory in use."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(os.path.expanduser(path))
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 

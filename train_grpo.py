@@ -17,8 +17,7 @@ Where this differs from the GRPO paper (Shao et al. 2024), each a common choice 
   - no KL penalty by default (kl_coef=0); when on, it is the k3 estimator against a frozen reference, in the loss;
   - clip-higher (DAPO): the ratio is clipped to [1 - eps_low, 1 + eps_high] = [0.8, 1.28], not symmetric;
   - advantages (r - mean) / (std + 1e-6) over the group, std skipped when zero (then all advantages are 0);
-  - dynamic sampling (DAPO): groups whose rewards are all equal are dropped, and more prompts are drawn to
-    refill the batch;
+  - dynamic sampling (DAPO): groups whose rewards are all equal are dropped, more prompts drawn to refill the batch;
   - the loss is aggregated as a per-sample token mean averaged over samples (default) or a token mean over all
     tokens (DAPO), normalised by *global* counts so the layout does not change the result;
   - truncated importance sampling (TIS) against the rollout engine's logprobs, weight min(pi_old/pi_rollout, cap),
@@ -65,7 +64,7 @@ model_config = 'config/models/micro.json'  # init_from='scratch': the architectu
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
 kernels = 'auto'  # 'auto': the fast paths (dsv4_kernels/) that pass kernel_check.py on this GPU | 'fast' | 'reference'
 compile = 'off'  # torch.compile 'hot' paths (Sinkhorn, norms, RoPE) | whole 'layers' (compile_policy.py); the server too
-compile_cache = 'out/compile_cache'  # inductor's and Triton's caches (TORCHINDUCTOR_CACHE_DIR wins): the next launch loads them
+compile_cache = 'out/compile_cache'  # inductor / Triton caches for the next launch (TORCHINDUCTOR_CACHE_DIR wins)
 invariant = False  # trainer and embedded server path-invariant (model.set_invariant): rollout logprobs equal the trainer's bit for bit; slow
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the math and toy tasks, else 'deepseek-v4'
 resume = False  # continue from the newest complete checkpoint in out_dir
@@ -201,15 +200,13 @@ model = parallel.build_stage(args, grid, dtype=ptype, pp_layers=split, init=mode
 if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
 model.set_kernels(kernel_paths := choose_kernels(kernels, args, grid.device, ptype, print0)).set_invariant(invariant)
-compile_policy.use_compile(compile, compile_cache)  # swaps model_dsv4's (and the engine's) functions for compiled ones
-if compile != 'off':
-    print0(f"compile cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
+if cache := compile_policy.use_compile(compile, compile_cache):  # swaps model_dsv4's (and the engine's) functions
+    print0(f"compile cache: {cache}")
 pad_to = length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths
 replayed = replay.columns(args, model.layers, replay.fields(routing_replay, indexer_replay))  # the servers' ids we replay
-IO = ('embed.', 'head.', 'norm.', 'hc_head_')
 for name, p in model.named_parameters():  # MTP is not trained here; the router optionally frozen
     p.requires_grad_(not name.startswith('mtp.') and not (freeze_router and name.endswith('gate.weight'))
-                     and (trainable == 'all' or name.startswith(IO)))
+                     and (trainable == 'all' or name.startswith(('embed.', 'head.', 'norm.', 'hc_head_'))))
 opt = AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, offload=optimizer_offload)
 n_params = sum(p.numel() for p in model.parameters())
 print0(f"rank 0 holds {n_params / 1e6:.1f}M parameters, trains {sum(p.numel() for p in opt.params) / 1e6:.1f}M "

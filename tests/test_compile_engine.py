@@ -187,7 +187,12 @@ def test_warnings_once_and_the_cache_dir(monkeypatch):
     compile_policy.warn_once()  # a second call wraps nothing more
     warn_three_times()
     assert shown == ["inductor decides to split the reduction", "another text"], shown
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    assert compile_policy.set_cache_dir("~/cc") == os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.expanduser("~/cc")
+    for torch_default in (None, default_cache_dir()):  # importing inductor sets the variable to its default
+        if torch_default:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", torch_default)
+        assert compile_policy.set_cache_dir("~/cc") == os.environ["TORCHINDUCTOR_CACHE_DIR"] == \
+            os.path.expanduser("~/cc")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/mine")
     assert compile_policy.set_cache_dir("out/compile_cache") == "/tmp/mine"
