@@ -16,12 +16,12 @@ compile = 'off'
 
 weight_sync = 'tensor'  # the embedded server on the same GPU reads the trainer's buckets through CUDA IPC
 rollout_quant = 'none'  # --rollout_quant=fp8 for the seed's own setting
-rollout_max_batch = 1024  # a step's 512 samples in one wave, an eval's 1600 in two
+rollout_max_batch = 1024  # a step's 256 samples in one wave, an eval's 1600 in two
 
 data, eval_data = 'math', 'math'
 math_steps, math_digits, math_ops, math_words = 3, 2, '+--', 0.0  # as in sft_config
 n_rl, n_test = 4000, 200
-n_prompts, n_samples = 64, 8
+n_prompts, n_samples = 32, 8  # the seed's batch (config/mi355x.py); 64 x 8 took 10-12 s a step, mostly rollouts
 max_prompt_len, max_new_tokens = 64, 160  # prompts are <= 16 bytes, worked solutions <= 128
 n_microbatches = 4
 
@@ -32,6 +32,6 @@ dynamic_sampling, max_sampling_rounds = True, 2  # each round costs a whole deco
 loss_agg = 'token_mean'
 tis_cap = 2.0
 
-eval_interval = 25
+eval_interval = 50  # held-out evals at steps 0, 50 and 100 (~40 s each)
 eval_n_samples = 8
 checkpoint_interval, keep_checkpoints = 10, 2
