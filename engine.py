@@ -362,23 +362,25 @@ class Engine:
         g.graph.replay()
         return g.out[:B]
 
-    def warm_up(self):
+    def warm_up(self, progress=None):
         """Decode once at every bucket, on the scratch slot, before the first request: under compile='layers' the
         first batch sizes compile each kind of layer (the first with a static batch, the next again with a dynamic
         one) and a GPU captures each bucket's graph, which the first rollout would pay otherwise. With a compiled
         prefill (KVCache.pad_prefill) also two prefills there, of 2 prompts
         padded to one length multiple and of 3 to two, after which batch and length are dynamic in every piece of
         the compiled layers (a size first seen as 1, or only once in a piece after a graph break, would compile
-        again at the first request). Returns the seconds it took."""
+        again at the first request). progress(done, total, bucket) follows each bucket. Returns the seconds it took."""
         t0 = time.perf_counter()
         with self.lock, self.model.numerics():
             if self.cache.pad_prefill:
                 for b, n in ((2, 1), (3, length_multiple(self.model.args) + 1)):
                     self.prefill([self.max_batch] * b, [[0] * n] * b)
                 self.cache.reset([self.max_batch])
-            for b in self.buckets:
+            for i, b in enumerate(self.buckets):
                 rows = torch.full((b,), self.max_batch, dtype=torch.long)  # every row on the scratch slot
                 self.decode(rows, torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long))
+                if progress:
+                    progress(i + 1, len(self.buckets), b)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0

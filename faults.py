@@ -125,7 +125,7 @@ def save_checkpoint(out_dir, step, save_weights, state, grid, config, keep):
     """out_dir/ckpt_{step}: the weights (save_weights(dir), every rank), each rank's trainer state (optimizer, RNG,
     data cursor) and meta.json, written into ckpt_{step}.tmp and renamed once all are in; then all but the newest
     `keep` complete checkpoints and any unfinished .tmp are removed."""
-    final = os.path.join(out_dir, f"ckpt_{step:06d}")
+    final, t0 = os.path.join(out_dir, f"ckpt_{step:06d}"), time.time()
     tmp = final + ".tmp"
     save_weights(tmp)
     torch.save(state, os.path.join(tmp, RANK_FILE.format(grid.rank, grid.world_size)))
@@ -134,6 +134,9 @@ def save_checkpoint(out_dir, step, save_weights, state, grid, config, keep):
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({"step": step, "world_size": grid.world_size, "config": config}, f, indent=1)
         os.replace(tmp, final)
+        size = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final)) / 1e9
+        print(f"checkpoint {final}: {size:.2f} GB in {time.time() - t0:.1f} s ({size / (time.time() - t0):.2f} GB/s)",
+              flush=True)
         old = checkpoints(out_dir)[0][:-keep] + [d for d in os.listdir(out_dir) if d.endswith(".tmp")]  # crashes' too
         for d in old:
             shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)

@@ -6,7 +6,7 @@ and the context that produced it. The mechanism itself sits in two places: Gate.
 follows the replayed experts, weighted by the trainer's router scores at them, so the router still learns) and
 Indexer.forward's (model_dsv4.py); Transformer.replay_kwargs hands each layer its slice.
 
-SGLang 0.5.23's fields (../shared/docs/sglang_api.md), which server.py answers and rollout.py asks for:
+SGLang 0.5.23's fields, which server.py answers and rollout.py asks for:
   return_routed_experts (server flag --enable-return-routed-experts), routed_experts_start_len (default 0, at most the
       prompt's length) -> meta_info.routed_experts: base64 of raw int32 [seqlen - 1 - start_len, num_hidden_layers,
       num_experts_per_tok]; hash layers included (their tid2eid rows), MTP layers not;

@@ -1,5 +1,5 @@
 """
-Rollouts over SGLang's native HTTP API (../shared/docs/sglang_api.md). The trainer has one code path: it
+Rollouts over SGLang's native HTTP API (0.5.23). The trainer has one code path: it
 always talks HTTP, to real SGLang servers at scale or to the embedded server (server.py) on CPU and in CI.
 
     client = RolloutClient("http://10.0.0.1:30000,http://10.0.0.2:30000")

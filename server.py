@@ -1,13 +1,12 @@
 """
 The embedded rollout server: the subset of SGLang's native HTTP API that the trainer uses, with SGLang's
-JSON shapes (../shared/docs/sglang_api.md), on the standard library's ThreadingHTTPServer. Generation is
+JSON shapes, on the standard library's ThreadingHTTPServer. Generation is
 engine.py's: one scheduler thread runs engine.run_forever and batches whatever the handler threads submit.
 
     python rollout.py --serve --model out/ckpt --port 30000 --dtype float32 --device cpu
     srv = server.start(model_or_checkpoint_dir, port=0); srv.url; srv.close()     # in-process (trainer, tests)
 
-The weight-update endpoints (sessions, disk, process-group and tensor updates, quantized serving) are
-server_weights.py's; this file routes them there.
+Weight updates (sessions, disk, process-group and tensor updates, quantized serving): server_weights.py.
 
 Not implemented: text prompts and stop strings (no tokenizer), streaming, input/top logprobs, penalties and
 constrained decoding (400 with a message), custom weight loaders (400).
@@ -418,13 +417,21 @@ def exit_with(pid):
 
 def serve(args):
     """`python rollout.py --serve ...`: one ready line with the URL, then serve until Ctrl-C or SIGTERM."""
-    compile_policy.use_compile(args.compile, args.compile_cache)  # before the engine exists: its first decode steps compile
+    compile_policy.use_compile(args.compile, args.compile_cache)  # before the engine: its first decode steps compile
     httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
                   args.max_batch, args.max_len, background=False, quant=args.quant, fp8_emu=args.fp8_emu,
                   invariant=args.invariant, record=args.record, kernels=args.kernels)
     httpd.app.engine.weight_version = args.weight_version  # SGLang's --weight-version: what its samples carry
     if args.compile == "layers":  # compile and capture every batch bucket now, not in the first rollout
-        print(f"decode compiled for every batch bucket in {httpd.app.engine.warm_up():.0f} s", flush=True)
+        t0, done, stop = time.time(), [], threading.Event()
+
+        def tick():  # a line every 10 s: the first buckets compile each layer kind, minutes on a cold cache
+            while not stop.wait(10):
+                print(f"decode warm-up: {len(done)} batch buckets done in {time.time() - t0:.0f} s", flush=True)
+        threading.Thread(target=tick, daemon=True, name="warm-up-progress").start()
+        seconds = httpd.app.engine.warm_up(lambda n, total, bucket: done.append(bucket))
+        stop.set()
+        print(f"decode compiled for every batch bucket in {seconds:.0f} s", flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
     if args.parent_pid:  # an embedded server outliving its trainer would hold the port and the memory
         threading.Thread(target=exit_with, args=(args.parent_pid,), daemon=True, name="parent-watch").start()

@@ -1,7 +1,7 @@
 """
 The embedded server's weight updates (server.py routes these endpoints here): update sessions, updates from disk,
 from a process group (/update_weights_from_distributed) and from colocated tensors (/update_weights_from_tensor),
-and the state of quantized serving. The protocol is SGLang's (../shared/docs/sglang_api.md §2); the trainer's
+and the state of quantized serving. The protocol is SGLang 0.5.23's; the trainer's
 side is weight_sync.py. The request checks (BadRequest, check, fail, is_int) live here too: server.py uses them.
 
 Every update names its tensors by the checkpoint's official names and is checked whole, names and shapes, before

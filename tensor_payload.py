@@ -1,5 +1,5 @@
 """
-The payload of SGLang's /update_weights_from_tensor (../shared/docs/sglang_api.md §2.1), written by weight_sync.py,
+The payload of SGLang's /update_weights_from_tensor, written by weight_sync.py,
 read by server_weights.py: each entry of serialized_named_tensors is base64 of a pickle of [(name, tensor), ...].
 
   CUDA tensors  torch.multiprocessing's ForkingPickler: CUDA IPC handles (rebuild_cuda_tensor), which only a process

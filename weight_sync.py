@@ -1,6 +1,6 @@
 """
 Weight sync from the trainer to the rollout servers, SGLang or the embedded one (the same HTTP protocol,
-../shared/docs/sglang_api.md §2), and the writer of official-name safetensors shards (checkpoints use it too).
+SGLang 0.5.23's update sessions), and the writer of official-name safetensors shards (checkpoints use it too).
 
 Names: trainer parameter names *are* the official checkpoint names (model_dsv4.py): the name table is the identity.
 quant.py's table adds which tensors travel quantized for rollout_quant = fp8 | fp8_fp4 (the official e4m3 / e2m1

@@ -1,5 +1,5 @@
 # The seed run: GRPO on DeepSeek-V4-Flash (284B / 13B active) with DAPO-Math-17k, after the AMD/Miles
-# MI355X recipe (rl_design.md §1.11): 4 nodes x 8 MI355X train with TP1/PP4/EP4, so dp = 32/4 = 8 and EP
+# MI355X recipe: 4 nodes x 8 MI355X train with TP1/PP4/EP4, so dp = 32/4 = 8 and EP
 # folds into DP; SGLang rollout servers run elsewhere and are reached by URL. (The blog used 2 actor nodes,
 # dp 4, plus 2 rollout nodes: same file, --nnodes=2.) On every node, with $MASTER_ADDR = node 0:
 #   torchrun --nproc_per_node=8 --nnodes=4 --node_rank=$NODE_RANK --master_addr=$MASTER_ADDR \

@@ -114,7 +114,9 @@ def test_engine_warm_up_compiles_every_batch_size_first(compile_layers):
                        args.num_experts_per_tok, seed=6).set_dtype(torch.bfloat16).set_kernels(True).to(dev)
     counters = compile_layers()
     engine = Engine(model, max_batch=8, max_len=64)
-    engine.warm_up()
+    calls = []
+    engine.warm_up(lambda *a: calls.append(a))
+    assert calls == [(i + 1, len(engine.buckets), b) for i, b in enumerate(engine.buckets)]  # the log's progress
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 4  # two kinds of layer and the head, each again once the batch size moved
     for b in (3, 5, 8):  # without autograd in any caller's mode (inductor fails with it on the H200: mm_f32)

@@ -1,4 +1,4 @@
-"""Tests for eval_aime.py: the grader on the edge cases of docs/data_reward.md, pass@k against the binomial
+"""Tests for eval_aime.py: the grader on the DAPO rule's edge cases, pass@k against the binomial
 closed form, the overlong penalty, and load_problems on tiny files in each schema (CPU, no network, fast)."""
 import json, math, subprocess, sys, threading
 

@@ -72,6 +72,7 @@ def reference(tmp_path_factory, spread):
     code, log, _ = train(out, "none", "--checkpoint_interval=1", "--keep_checkpoints=1", *spread)
     assert code == 0, log[-3000:]
     assert ckpts(out) == ["ckpt_000001"]  # keep_checkpoints=1: the older one went
+    assert f"checkpoint {out}/ckpt_000001: " in log and " GB/s)" in log, log[-3000:]  # its size, time and rate
     return metrics(out), out
 
 

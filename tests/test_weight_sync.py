@@ -104,7 +104,7 @@ def test_pp2_ep2_send_every_tensor_once_and_servers_equal(servers, tmp_path):
 
 
 def spec_dequant(q, s):
-    """dsv4_spec.md §4.3-4.4 written out: e8m0 byte b means 2^(b-127); FP8 has one scale per 128x128 block;
+    """The official codec's rules written out: e8m0 byte b means 2^(b-127); FP8 has one scale per 128x128 block;
     FP4 packs element 2j in the low nibble of byte j, element 2j+1 in the high one, one scale per 32 inputs."""
     scale = 2.0 ** (s.view(torch.uint8).double() - 127)
     if q.dtype == torch.float8_e4m3fn:
