@@ -104,8 +104,10 @@ def compile_layers(backend="inductor", graphs=False):
     parallel.head_loss = trainer(parallel.head_loss)
     kv_cache.KVCache.prefill_layer = trainer(kv_cache.KVCache.prefill_layer)
     kv_cache.KVCache.pad_prefill = True
-    kv_cache.KVCache.decode_layer = torch.compile(kv_cache.KVCache.decode_layer, backend=backend)
-    kv_cache.KVCache.step_rope = torch.compile(kv_cache.KVCache.step_rope, backend=backend)
+    # decode: the batch symbolic from the first call, so each layer kind compiles once for every batch bucket (the
+    # engine's buckets start at 2: a size-1 batch would be specialised into a graph of its own)
+    kv_cache.KVCache.decode_layer = _dynamic_batch(torch.compile(kv_cache.KVCache.decode_layer, backend=backend))
+    kv_cache.KVCache.step_rope = _dynamic_batch(torch.compile(kv_cache.KVCache.step_rope, backend=backend))
     engine.sample_tokens = torch.compile(engine.sample_tokens, backend=backend)  # the Gumbel noise: one kernel
 
 
@@ -124,6 +126,22 @@ def _dynamic_batch_and_length(compiled):
                 for d, n in enumerate(lead):
                     if t.dim() > d and t.shape[d] == n:
                         torch._dynamo.maybe_mark_dynamic(t, d)
+        return compiled(*args, **kwargs)
+    return run
+
+
+def _dynamic_batch(compiled):
+    """Call `compiled` with dim 0 marked dynamic on its tensor arguments (dict values too) of the batch's size, the
+    batch being dim 0 of the first tensor argument outside a dict (decode_layer's x, step_rope's pos). The engine's
+    cache tensors (a row per slot plus a scratch one) never have that size, so they stay static."""
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            values = (*args, *kwargs.values())
+            batch = next(a.shape[0] for a in values if isinstance(a, torch.Tensor) and a.dim())
+            for t in (t for a in values for t in (a.values() if isinstance(a, dict) else (a,))):
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
         return compiled(*args, **kwargs)
     return run
 

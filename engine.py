@@ -94,8 +94,9 @@ class Engine:
         self.model, self.args, self.record = model.eval(), model.args, tuple(record)
         self.device = next(model.parameters()).device
         self.max_batch, self.max_len = max_batch, max_len
-        # the batch sizes decode runs at on a GPU (CUDA graphs): a batch takes the smallest bucket that holds it
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768) if b < max_batch]
+        # the batch sizes decode runs at on a GPU (CUDA graphs): a batch takes the smallest bucket that holds it; none
+        # of 1, which compiled code would specialise into a graph of its own (compile_policy._dynamic_batch)
+        self.buckets = [b for b in (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768) if b < max_batch]
         self.buckets += [max_batch]
         self.module_of = dict(model.named_modules())  # for load_weights: the module tree is fixed once built
         # batch bucket -> CUDA graph of _decode; graphs need its sync-free path: fast kernels (grouped GEMM

@@ -103,8 +103,9 @@ def test_startup_refusals(cmd, expect):
 
 def test_engine_warm_up_compiles_every_batch_size_first(compile_layers):
     """Engine.warm_up (rollout.py --serve --compile layers, before the ready line) prefills twice and decodes once
-    at every batch bucket on the scratch slot: the compiles of the prefill and the decode step happen there (the
-    first decode bucket with a static batch, the next with a dynamic one), and decodes at other batch sizes and a
+    at every batch bucket on the scratch slot: the compiles of the prefill and the decode step happen there, the
+    decode's once for every bucket (the batch is symbolic from the first call, compile_policy._dynamic_batch: a
+    second bucket compiling again is what made a cold start take minutes), and decodes at other batch sizes and a
     prefill of another batch size afterwards compile nothing."""
     from dataclasses import replace
     from engine import Engine
@@ -114,11 +115,12 @@ def test_engine_warm_up_compiles_every_batch_size_first(compile_layers):
                        args.num_experts_per_tok, seed=6).set_dtype(torch.bfloat16).set_kernels(True).to(dev)
     counters = compile_layers()
     engine = Engine(model, max_batch=8, max_len=64)
-    calls = []
-    engine.warm_up(lambda *a: calls.append(a))
+    calls, graphs = [], []
+    engine.warm_up(lambda *a: (calls.append(a), graphs.append(counters["stats"]["unique_graphs"])))
+    assert engine.buckets == [2, 4, 8] and len(set(graphs)) == 1, graphs  # no bucket after the first compiles
     assert calls == [(i + 1, len(engine.buckets), b) for i, b in enumerate(engine.buckets)]  # the log's progress
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs >= 4  # two kinds of layer and the head, each again once the batch size moved
+    assert graphs >= 4  # two kinds of layer and the head, in the prefill and the decode
     for b in (3, 5, 8):  # without autograd in any caller's mode (inductor fails with it on the H200: mm_f32)
         out = engine.decode(torch.arange(b), torch.randint(2, args.vocab_size, (b,)), torch.full((b,), 7))
         assert not out.requires_grad
