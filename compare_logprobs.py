@@ -187,7 +187,7 @@ def pick_disagreement(model, samples, records, fields):
             "index_picks_missed": (n[4] / n[5]).item() if n[5] else None}
 
 
-def compare(scores, samples, temperature, n_worst=5, decode=None):
+def compare(scores, samples, n_worst=5, decode=None):
     """The module docstring's statistics of scores (trainer_logprobs per sample), as a dict; prints the worst tokens."""
     rows = [(i, j, lt, le) for i, ((p, o, lp), s) in enumerate(zip(samples, scores))
             for j, (lt, le) in enumerate(zip(s.tolist(), lp))]
@@ -383,7 +383,7 @@ if __name__ == "__main__":
                 continue
             name = f"trainer {tp} vs " + (f"server {a.rollout_url}" if a.rollout_url else f"engine {ep}") + \
                 f", replay {mode}"
-            res = compare(scores, samples, a.temperature, decode=decode)
+            res = compare(scores, samples, decode=decode)
             res.update(t_score=t_score, **(pick_disagreement(trainer, samples, records, MODES[mode]) if grid is None
                                            and record else {}))
             results.append(((tp, ep, mode), name, res))

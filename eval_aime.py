@@ -180,9 +180,9 @@ def load_problems(source, split="train", template=DAPO_TEMPLATE, limit=None, key
             problem = row["problem"] if "problem" in row else row["prompt"]
             prompt = template.replace("{problem}", problem)  # not .format(): a template may hold \boxed{...}
         # One problem = one extra_info.index, else one id, else one prompt text (then the first copy wins).
-        key = extra.get("index", row.get("id", prompt))
-        if key not in seen:
-            seen.add(key)
+        uid = extra.get("index", row.get("id", prompt))
+        if uid not in seen:
+            seen.add(uid)
             records.append({"id": str(row.get("id", extra.get("id", extra.get("index", i)))), "prompt": prompt,
                             "answer": str(answer).strip(), "problem": problem})
     n_dup = len(rows) - n_skipped - len(records)

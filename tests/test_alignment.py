@@ -89,7 +89,7 @@ def test_fp8_prepare_rounds_weights_once():
 def test_engine_vs_trainer_logprobs_fp32():
     model = small_model()
     samples, _ = sample(model, "", [[5, 6, 7, 8], list(range(9, 40))], 1.0, 12, seed=0)
-    r = compare([trainer_logprobs(model, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=2)
+    r = compare([trainer_logprobs(model, p, o, 1.0) for p, o, _ in samples], samples, n_worst=2)
     assert r["tokens"] == 24 and r["max"] < 1e-4 and abs(r["kl_k3"]) < 1e-8
 
 
@@ -100,7 +100,7 @@ def test_invariant_fp8_engine_equals_trainer_bit_for_bit():
     trainer, engine_model = prepare(base, "fp8", invariant=True), prepare(base, "fp8", invariant=True)
     prompts = [[5, 6, 7, 8], list(range(9, 40)), list(range(40, 53))]
     samples, _ = sample(engine_model, "", prompts, 1.0, 10, seed=0)
-    r = compare([trainer_logprobs(trainer, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=1)
+    r = compare([trainer_logprobs(trainer, p, o, 1.0) for p, o, _ in samples], samples, n_worst=1)
     assert r["tokens"] == 30 and r["max"] == 0.0, r
 
 
@@ -116,7 +116,7 @@ def test_invariant_server_equals_trainer_bit_for_bit():
     finally:
         httpd.close()
     trainer = base.set_invariant()
-    r = compare([trainer_logprobs(trainer, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=0)
+    r = compare([trainer_logprobs(trainer, p, o, 1.0) for p, o, _ in samples], samples, n_worst=0)
     assert r["tokens"] == 30 and r["max"] == 0.0, r
 
 
@@ -131,7 +131,7 @@ def test_path_invariant_engine_equals_trainer(device):
     for invariant in (False, True):
         model.set_kernels(device == "cuda").set_invariant(invariant)
         samples, _ = sample(model, "", prompts, 1.0, 12, seed=0)
-        gaps.append(compare([trainer_logprobs(model, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=0))
+        gaps.append(compare([trainer_logprobs(model, p, o, 1.0) for p, o, _ in samples], samples, n_worst=0))
     assert gaps[1]["tokens"] == 36 and gaps[1]["max"] == 0.0, gaps[1]
     assert device == "cpu" or gaps[0]["max"] > 0, gaps[0]  # what it closes on a GPU
 
@@ -163,7 +163,7 @@ def test_path_invariant_engine_equals_trainer_on_a_sensitive_model():
     model.set_kernels(False).set_invariant(True)
     prompts = [[5, 6, 7, 8], list(range(9, 40)), list(range(40, 53))]
     samples, _ = sample(model, "", prompts, 1.0, 12, seed=0)
-    r = compare([trainer_logprobs(model, p, o, 1.0) for p, o, _ in samples], samples, 1.0, n_worst=0)
+    r = compare([trainer_logprobs(model, p, o, 1.0) for p, o, _ in samples], samples, n_worst=0)
     assert r["tokens"] == 36 and r["max"] == 0.0, r
 
 

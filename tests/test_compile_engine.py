@@ -18,9 +18,13 @@ CUDA = torch.cuda.is_available()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_compile_layers_decode_as_close_as_eager(compile_layers):
-    """The engine's compiled decode step (compile_policy.compile_layers, CPU, bf16): its logprobs are as close to the
-    training forward's as the eager engine's are, and it samples from the same distributions."""
+def test_compiled_decode_warms_up_once_a_kind_and_is_as_close_as_eager(compile_layers):
+    """The engine's compiled decode step (compile_policy.compile_layers, CPU, bf16), CSA and HCA layers. Engine.warm_up
+    (rollout.py --serve --compile layers, before the ready line) prefills twice and decodes once at every batch bucket
+    on the scratch slot: the compiles happen there, the decode's once for every bucket (the batch is symbolic from
+    the first call, compile_policy._dynamic_batch; a second bucket compiling again doubled a cold start), and decodes
+    at other batch sizes and a prefill of another batch size afterwards compile nothing. Then its logprobs are as
+    close to the training forward's as the eager engine's are, and it samples from the same distributions."""
     from dataclasses import replace
     from engine import Engine, SamplingParams
     args = replace(SMALL, num_hidden_layers=2, compress_ratios=[4, 128, 4], num_nextn_predict_layers=1)
@@ -42,8 +46,19 @@ def test_compile_layers_decode_as_close_as_eager(compile_layers):
         return torch.cat(out).mean().item()
     eager = gap(Engine(model, max_batch=4, max_len=80).generate(prompts, params))
     counters = compile_layers()
-    compiled = gap(Engine(model, max_batch=4, max_len=80).generate(prompts, params))
-    assert counters["stats"]["unique_graphs"] >= 2
+    engine = Engine(model, max_batch=8, max_len=80)
+    calls, graphs = [], []
+    engine.warm_up(lambda *a: (calls.append(a), graphs.append(counters["stats"]["unique_graphs"])))
+    assert engine.buckets == [2, 4, 8] and len(set(graphs)) == 1, graphs  # no bucket after the first compiles
+    assert calls == [(i + 1, len(engine.buckets), b) for i, b in enumerate(engine.buckets)]  # the log's progress
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 4  # two kinds of layer and the head, in the prefill and the decode
+    for b in (3, 5, 8):  # without autograd in any caller's mode (inductor fails with it on the H200: mm_f32)
+        out = engine.decode(torch.arange(b), torch.randint(2, args.vocab_size, (b,)), torch.full((b,), 7))
+        assert not out.requires_grad
+    out = engine.prefill([0, 1, 2, 3], [[5] * n for n in (3, 60, 17, 40)])  # 4 prompts up to 60 tokens, padded
+    assert not out.requires_grad and counters["stats"]["unique_graphs"] == graphs
+    compiled = gap(engine.generate(prompts, params))
     assert compiled <= 2 * eager + 0.01, (compiled, eager)
 
 
@@ -99,34 +114,6 @@ def test_startup_refusals(cmd, expect):
     GPU, and compiling with path-invariant numerics (a dispatch mode the compiled graphs would bypass)."""
     p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and expect in p.stderr, p.stderr[-2000:]
-
-
-def test_engine_warm_up_compiles_every_batch_size_first(compile_layers):
-    """Engine.warm_up (rollout.py --serve --compile layers, before the ready line) prefills twice and decodes once
-    at every batch bucket on the scratch slot: the compiles of the prefill and the decode step happen there, the
-    decode's once for every bucket (the batch is symbolic from the first call, compile_policy._dynamic_batch: a
-    second bucket compiling again is what made a cold start take minutes), and decodes at other batch sizes and a
-    prefill of another batch size afterwards compile nothing."""
-    from dataclasses import replace
-    from engine import Engine
-    args = replace(SMALL, num_hidden_layers=2, compress_ratios=[0, 4, 0], num_nextn_predict_layers=1)
-    dev = "cuda" if CUDA else "cpu"
-    model = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,
-                       args.num_experts_per_tok, seed=6).set_dtype(torch.bfloat16).set_kernels(True).to(dev)
-    counters = compile_layers()
-    engine = Engine(model, max_batch=8, max_len=64)
-    calls, graphs = [], []
-    engine.warm_up(lambda *a: (calls.append(a), graphs.append(counters["stats"]["unique_graphs"])))
-    assert engine.buckets == [2, 4, 8] and len(set(graphs)) == 1, graphs  # no bucket after the first compiles
-    assert calls == [(i + 1, len(engine.buckets), b) for i, b in enumerate(engine.buckets)]  # the log's progress
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs >= 4  # two kinds of layer and the head, in the prefill and the decode
-    for b in (3, 5, 8):  # without autograd in any caller's mode (inductor fails with it on the H200: mm_f32)
-        out = engine.decode(torch.arange(b), torch.randint(2, args.vocab_size, (b,)), torch.full((b,), 7))
-        assert not out.requires_grad
-    out = engine.prefill([0, 1, 2, 3], [[5] * n for n in (3, 60, 17, 40)])  # 4 prompts up to 60 tokens, padded
-    assert not out.requires_grad
-    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_compiled_prefill_equals_eager_and_stops_compiling(compile_layers):
