@@ -5,7 +5,8 @@ Whole GRPO steps against TRL: the same work on both sides, timed as an RL user p
     python bench/grpo_vs_trl.py --side=trl --model=config/models/bench_2b.json --dtype=bfloat16    # TRL installed
     python bench/grpo_vs_trl.py --report                                                            # the table
 
-Run from the repository's root. Each side writes OUT/SIDE.json; --report prints both and the ratios.
+Run from the repository's root. Each side writes OUT/SIDE.json (a side stopped by SIGTERM, a timeout's, keeps the
+steps it finished); --report prints both and the ratios.
 
 The same on both sides:
 - one model: ours drawn at random and saved in the official layout (OUT/model, MTP off: transformers has none);
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -108,15 +110,23 @@ def run_ours(model_dir):
         cmd += ["--weight_sync=disk"]  # CUDA IPC needs a GPU
     t0, first = time.time(), None
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        print("  ours |", line, end="", flush=True)
-        if first is None and line.startswith("step 0"):
-            first = time.time() - t0
-    if proc.wait():
-        raise SystemExit(f"train_grpo.py exited with {proc.returncode}")
-    rows = [json.loads(s) for s in open(os.path.join(out_dir, "metrics.jsonl"))]
+    try:
+        for line in proc.stdout:
+            print("  ours |", line, end="", flush=True)
+            if first is None and line.startswith("step 0"):
+                first = time.time() - t0
+    except (KeyboardInterrupt, SystemExit):  # stopped (a timeout's SIGTERM): keep the steps that ran
+        print("  ours | stopped: the steps so far are kept", flush=True)
+    finally:  # the trainer goes too, without its preemption checkpoint (its embedded server follows it)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    path = os.path.join(out_dir, "metrics.jsonl")
+    rows = [json.loads(s) for s in open(path)] if os.path.exists(path) else []
     steps = [dict(rollout=r["t_rollout"], train=r["t_train"], sync=r["t_sync"], tokens=r["response_tokens"])
              for r in rows if "t_rollout" in r]
+    if not steps:
+        raise SystemExit(f"train_grpo.py exited with {proc.returncode} before its first step")
     return dict(first_step_s=first, steps=steps, peer=f"train_grpo.py, compile {cli.compile}")
 
 
@@ -177,13 +187,22 @@ def run_trl(model_dir, prompts, tok):
                               samples=gen["samples"]))
             if len(steps) == 1:
                 steps[0]["since_launch"] = time.time() - t_launch
+            save(dict(first_step_s=None, steps=steps, peer=peer))  # a timeout later keeps the steps so far
             print(f"  trl | step {len(steps) - 1}: {total:.1f} s, generate {gen['t']:.1f} s, {gen['tokens']} tokens",
                   flush=True)
+    peer = f"TRL {trl.__version__} GRPOTrainer, transformers {transformers.__version__} generate"
     trainer.add_callback(Timer())
     trainer.train()
     mem = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else ""
-    return dict(first_step_s=None, steps=steps, peer=f"TRL {trl.__version__} GRPOTrainer, transformers "
-                f"{transformers.__version__} generate{mem}")
+    return dict(first_step_s=None, steps=steps, peer=peer + mem)
+
+
+def save(res):
+    """OUT/SIDE.json: the side's steps and what they ran on."""
+    res.update(device=device_name(), torch=torch.__version__, samples=cli.n_prompts * cli.n_samples,
+               setup=f"{cli.n_prompts} prompts x {cli.n_samples} samples, {cli.max_new_tokens} new tokens, "
+                     f"micro-batches of {cli.mb}, {cli.dtype}, model {cli.model} without MTP")
+    json.dump(res, open(os.path.join(cli.out, f"{cli.side}.json"), "w"), indent=1)
 
 
 def summary(res):
@@ -221,9 +240,6 @@ if __name__ == "__main__":
     os.makedirs(cli.out, exist_ok=True)
     tok = load_tokenizer("deepseek-v4")
     model_dir = shared_model(tok.vocab_size)
-    res = run_ours(model_dir) if cli.side == "ours" else run_trl(model_dir, stream(tok), tok)
-    res.update(device=device_name(), torch=torch.__version__, samples=cli.n_prompts * cli.n_samples,
-               setup=f"{cli.n_prompts} prompts x {cli.n_samples} samples, {cli.max_new_tokens} new tokens, "
-                     f"micro-batches of {cli.mb}, {cli.dtype}, model {cli.model} without MTP")
-    json.dump(res, open(os.path.join(cli.out, f"{cli.side}.json"), "w"), indent=1)
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # a timeout stops a side as Ctrl-C does, steps kept
+    save(run_ours(model_dir) if cli.side == "ours" else run_trl(model_dir, stream(tok), tok))
     report()
