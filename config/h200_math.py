@@ -32,6 +32,6 @@ dynamic_sampling, max_sampling_rounds = True, 2  # each round costs a whole deco
 loss_agg = 'token_mean'
 tis_cap = 2.0
 
-eval_interval = 50  # held-out evals at steps 0, 50 and 100 (~40 s each)
+eval_interval = 100  # held-out evals at steps 0 and 100 (~40 s each: the budget of one session holds no more)
 eval_n_samples = 8
 checkpoint_interval, keep_checkpoints = 10, 2
