@@ -29,15 +29,16 @@ import parallel
 
 def use_compile(mode, cache_dir="out/compile_cache"):
     """Returns the compile cache's directory, or None when mode is 'off'."""
-    if mode != "off":
-        warn_once()
+    if mode not in ("off", "hot", "layers", "graphs"):
+        raise ValueError(f"compile must be 'off', 'hot' or 'layers', got {mode!r}")
+    if mode == "off":
+        return None
+    warn_once()
     if mode == "hot":
         compile_hot_paths()
-    elif mode in ("layers", "graphs"):
+    else:
         compile_layers(graphs=mode == "graphs")
-    elif mode != "off":
-        raise ValueError(f"compile must be 'off', 'hot' or 'layers', got {mode!r}")
-    return set_cache_dir(cache_dir) if mode != "off" else None
+    return set_cache_dir(cache_dir)
 
 
 def set_cache_dir(path):
@@ -76,7 +77,7 @@ def compile_layers(backend="inductor", graphs=False):
     2B model on a GPU).
 
     The trainer's functions and the prefill take batch and length as symbolic from the first call
-    (_dynamic_batch_and_length): every GRPO step brings new lengths, and a graph for the first step's exact shape
+    (_dynamic_dims): every GRPO step brings new lengths, and a graph for the first step's exact shape
     would be compiled again at the second. The prefill pads its length to model_dsv4.length_multiple, so one graph of
     each kind takes every length. Decode keeps static shapes: its batch buckets repeat (Engine.warm_up compiles them).
     The CPU tests pass backend="aot_eager": the same graphs without code generation.
@@ -91,7 +92,7 @@ def compile_layers(backend="inductor", graphs=False):
     # length (a prefill compiled again at a new shape); V4's dims and the padded lengths are multiples of 64 already
     torch._inductor.config.shape_padding = False
     trainer = (lambda f: torch.compile(f, backend=backend)) if graphs else \
-              (lambda f: _dynamic_batch_and_length(torch.compile(f, backend=backend)))
+              (lambda f: _dynamic_dims(torch.compile(f, backend=backend)))
     m = model_dsv4
     m.Block.forward = torch.compile(m.Block.forward, backend=backend, mode="reduce-overhead") if graphs \
         else trainer(m.Block.forward)
@@ -106,42 +107,26 @@ def compile_layers(backend="inductor", graphs=False):
     kv_cache.KVCache.pad_prefill = True
     # decode: the batch symbolic from the first call, so each layer kind compiles once for every batch bucket (the
     # engine's buckets start at 2: a size-1 batch would be specialised into a graph of its own)
-    kv_cache.KVCache.decode_layer = _dynamic_batch(torch.compile(kv_cache.KVCache.decode_layer, backend=backend))
-    kv_cache.KVCache.step_rope = _dynamic_batch(torch.compile(kv_cache.KVCache.step_rope, backend=backend))
+    kv_cache.KVCache.decode_layer = _dynamic_dims(torch.compile(kv_cache.KVCache.decode_layer, backend=backend), 1)
+    kv_cache.KVCache.step_rope = _dynamic_dims(torch.compile(kv_cache.KVCache.step_rope, backend=backend), 1)
     engine.sample_tokens = torch.compile(engine.sample_tokens, backend=backend)  # the Gumbel noise: one kernel
 
 
-def _dynamic_batch_and_length(compiled):
-    """Call `compiled` with dims 0 and 1 (batch, length) of its tensor arguments marked dynamic: those of the first
-    tensor argument, and the same dims of every other tensor argument (dict values too: the losses' micro-batch)
+def _dynamic_dims(compiled, dims=2):
+    """Call `compiled` with its leading `dims` dims (batch, and length) marked dynamic: those of the first tensor
+    argument outside a dict, and the same dims of every other tensor argument (dict values too: the losses' micro-batch)
     where the sizes match, so dynamo does not specialise them through an op that joins two tensors. A hint
-    (maybe_mark_dynamic): a size 0 or 1 stays static, and a guard the code needs still specialises."""
+    (maybe_mark_dynamic): a size 0 or 1 stays static, and a guard the code needs still specialises. For decode (dims=1)
+    the engine's cache tensors (a row per slot plus a scratch one) never match the batch, so they stay static."""
     @functools.wraps(compiled)
     def run(*args, **kwargs):
         if not torch.compiler.is_compiling():  # called from compiled code (grpo_loss -> token_logprobs): traced
-            tensors = [t for a in (*args, *kwargs.values()) for t in (a.values() if isinstance(a, dict) else (a,))
-                       if isinstance(t, torch.Tensor)]
-            lead = tensors[0].shape[:2] if tensors else ()
-            for t in tensors:
-                for d, n in enumerate(lead):
+            values = (*args, *kwargs.values())
+            lead = next((a.shape[:dims] for a in values if isinstance(a, torch.Tensor)), ())
+            for t in (t for a in values for t in (a.values() if isinstance(a, dict) else (a,))):
+                for d, n in enumerate(lead if isinstance(t, torch.Tensor) else ()):
                     if t.dim() > d and t.shape[d] == n:
                         torch._dynamo.maybe_mark_dynamic(t, d)
-        return compiled(*args, **kwargs)
-    return run
-
-
-def _dynamic_batch(compiled):
-    """Call `compiled` with dim 0 marked dynamic on its tensor arguments (dict values too) of the batch's size, the
-    batch being dim 0 of the first tensor argument outside a dict (decode_layer's x, step_rope's pos). The engine's
-    cache tensors (a row per slot plus a scratch one) never have that size, so they stay static."""
-    @functools.wraps(compiled)
-    def run(*args, **kwargs):
-        if not torch.compiler.is_compiling():
-            values = (*args, *kwargs.values())
-            batch = next(a.shape[0] for a in values if isinstance(a, torch.Tensor) and a.dim())
-            for t in (t for a in values for t in (a.values() if isinstance(a, dict) else (a,))):
-                if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch:
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
         return compiled(*args, **kwargs)
     return run
 

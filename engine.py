@@ -95,7 +95,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.max_batch, self.max_len = max_batch, max_len
         # the batch sizes decode runs at on a GPU (CUDA graphs): a batch takes the smallest bucket that holds it; none
-        # of 1, which compiled code would specialise into a graph of its own (compile_policy._dynamic_batch)
+        # of 1, which compiled code would specialise into a graph of its own (compile_policy._dynamic_dims)
         self.buckets = [b for b in (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768) if b < max_batch]
         self.buckets += [max_batch]
         self.module_of = dict(model.named_modules())  # for load_weights: the module tree is fixed once built
@@ -365,8 +365,8 @@ class Engine:
 
     def warm_up(self, progress=None):
         """Decode once at every bucket, on the scratch slot, before the first request: under compile='layers' the
-        first batch sizes compile each kind of layer (the first with a static batch, the next again with a dynamic
-        one) and a GPU captures each bucket's graph, which the first rollout would pay otherwise. With a compiled
+        first bucket compiles each kind of layer (its batch symbolic, so the other buckets share the graph) and a GPU
+        captures each bucket's graph, which the first rollout would pay otherwise. With a compiled
         prefill (KVCache.pad_prefill) also two prefills there, of 2 prompts
         padded to one length multiple and of 3 to two, after which batch and length are dynamic in every piece of
         the compiled layers (a size first seen as 1, or only once in a piece after a graph break, would compile

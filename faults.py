@@ -134,9 +134,8 @@ def save_checkpoint(out_dir, step, save_weights, state, grid, config, keep):
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({"step": step, "world_size": grid.world_size, "config": config}, f, indent=1)
         os.replace(tmp, final)
-        size = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final)) / 1e9
-        print(f"checkpoint {final}: {size:.2f} GB in {time.time() - t0:.1f} s ({size / (time.time() - t0):.2f} GB/s)",
-              flush=True)
+        size, dt = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final)) / 1e9, time.time() - t0
+        print(f"checkpoint {final}: {size:.2f} GB in {dt:.1f} s ({size / dt:.2f} GB/s)", flush=True)
         old = checkpoints(out_dir)[0][:-keep] + [d for d in os.listdir(out_dir) if d.endswith(".tmp")]  # crashes' too
         for d in old:
             shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)

@@ -20,7 +20,7 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
     again inside the backward) gives the same logits and gradients as the compiled step without it. Then the GRPO
     step's shapes: micro-batches of other sizes and lengths, padded as train_grpo pads them (a multiple of the
     window and the compress ratios), and the GRPO loss compile nothing after their first: the batch and length are
-    symbolic from the first call (compile_policy._dynamic_batch_and_length)."""
+    symbolic from the first call (compile_policy._dynamic_dims)."""
     import parallel
     from grpo import grpo_loss, make_microbatches
     from model_dsv4 import length_multiple

@@ -22,7 +22,7 @@ def test_compiled_decode_warms_up_once_a_kind_and_is_as_close_as_eager(compile_l
     """The engine's compiled decode step (compile_policy.compile_layers, CPU, bf16), CSA and HCA layers. Engine.warm_up
     (rollout.py --serve --compile layers, before the ready line) prefills twice and decodes once at every batch bucket
     on the scratch slot: the compiles happen there, the decode's once for every bucket (the batch is symbolic from
-    the first call, compile_policy._dynamic_batch; a second bucket compiling again doubled a cold start), and decodes
+    the first call, compile_policy._dynamic_dims; a second bucket compiling again doubled a cold start), and decodes
     at other batch sizes and a prefill of another batch size afterwards compile nothing. Then its logprobs are as
     close to the training forward's as the eager engine's are, and it samples from the same distributions."""
     from dataclasses import replace
