@@ -104,8 +104,8 @@ def run_ours(model_dir):
            f"--max_steps={cli.steps}", f"--n_prompts={cli.n_prompts}", f"--n_samples={cli.n_samples}",
            f"--max_new_tokens={cli.max_new_tokens}", f"--n_microbatches={cli.n_prompts * cli.n_samples // cli.mb}",
            f"--lr={cli.lr}", f"--temperature={cli.temperature}", "--top_p=1.0", f"--dtype={cli.dtype}",
-           f"--compile={cli.compile}", "--dynamic_sampling=False", "--loss_agg=token_mean", "--freeze_router=False", "--recompute=True",
-           f"--seed={cli.seed}", f"--n_rl={N_RL}", f"--rollout_max_batch={cli.n_prompts * cli.n_samples}"]
+           f"--compile={cli.compile}", "--dynamic_sampling=False", "--loss_agg=token_mean", "--freeze_router=False",
+           "--recompute=True", f"--seed={cli.seed}", f"--n_rl={N_RL}", f"--rollout_max_batch={cli.n_prompts * cli.n_samples}"]
     if not torch.cuda.is_available():
         cmd += ["--weight_sync=disk"]  # CUDA IPC needs a GPU
     t0, first = time.time(), None
@@ -113,7 +113,7 @@ def run_ours(model_dir):
     try:
         for line in proc.stdout:
             print("  ours |", line, end="", flush=True)
-            if first is None and line.startswith("step 0"):
+            if first is None and line.startswith("step 00000/"):  # the step line, not its rollout's progress
                 first = time.time() - t0
     except (KeyboardInterrupt, SystemExit):  # stopped (a timeout's SIGTERM): keep the steps that ran
         print("  ours | stopped: the steps so far are kept", flush=True)
@@ -155,7 +155,8 @@ def run_trl(model_dir, prompts, tok):
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         per_device_train_batch_size=cli.mb, gradient_accumulation_steps=cli.n_prompts * cli.n_samples // cli.mb,
         num_generations=cli.n_samples, max_completion_length=cli.max_new_tokens, temperature=cli.temperature,
-        top_p=1.0, beta=0.0, router_aux_loss_coef=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", gradient_checkpointing=True,
+        top_p=1.0, beta=0.0, router_aux_loss_coef=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
+        gradient_checkpointing=True,
         bf16=cli.dtype == "bfloat16" and cuda, shuffle_dataset=False, seed=cli.seed, use_cpu=not cuda,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)
     model = transformers.DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cli.dtype))
