@@ -195,14 +195,22 @@ def load_problems(source, split="train", template=DAPO_TEMPLATE, limit=None, key
 # evaluation: n samples per problem from the rollout servers, pass@k by the unbiased estimator
 
 def evaluate(client, tokenizer, problems, n_samples, sampling, seed=0, chat=True, desc="eval"):
-    """-> {"pass@1", "pass@2", ..., "mean_len", "truncation_rate", "format_rate", "n_problems", "per_problem": [...]}.
-    format_rate: the share of samples whose extracted answer is a plain integer, right or wrong (a base that can't write
-    the answer line scores 0 however well it computes)."""
+    """-> {"pass@1", "pass@2", ..., "mean_len", "truncation_rate", "format_rate", "n_problems", "retried_requests",
+    "failed_requests", "per_problem": [...]}. format_rate: the share of samples whose extracted answer is a plain
+    integer, right or wrong (a base that can't write the answer line scores 0 however well it computes).
+    A request the servers failed (after the client's retries) costs its problem: pass@k is over the problems whose
+    n_samples all came back, n_problems counts them, failed_requests the samples lost (summary prints both)."""
     from tasks import prompt_ids  # the same prompt formatting as training
     outs = client.generate([prompt_ids(tokenizer, p["prompt"], chat=chat) for p in problems], n_samples, sampling,
-                           seed=seed, desc=desc)
+                           seed=seed, desc=desc, partial=True)
+    failed = sum(s is None for samples in outs for s in samples)
+    retried = sum(s["attempts"] - 1 for samples in outs for s in samples if s is not None)
+    whole = [(p, samples) for p, samples in zip(problems, outs) if None not in samples]
+    if not whole:
+        raise RuntimeError(f"{desc}: every problem lost a sample ({failed} of {len(problems) * n_samples} requests "
+                           f"failed)")
     per, lens, trunc = [], [], 0
-    for p, samples in zip(problems, outs):
+    for p, samples in whole:
         texts = [tokenizer.decode(s["output_ids"]) for s in samples]
         correct = sum(math_reward(t, p["answer"]) == 1.0 for t in texts)
         per.append({"id": p["id"], "answer": p["answer"], "correct": correct, "n": n_samples,
@@ -213,7 +221,8 @@ def evaluate(client, tokenizer, problems, n_samples, sampling, seed=0, chat=True
     answers = [a for q in per for a in q["answers"]]
     res.update(mean_len=sum(lens) / max(len(lens), 1), truncation_rate=trunc / max(len(lens), 1),
                format_rate=sum(a is not None and INT_RE.fullmatch(a.strip()) is not None for a in answers)
-               / max(len(answers), 1), n_problems=len(per), per_problem=per)
+               / max(len(answers), 1), n_problems=len(per), retried_requests=retried, failed_requests=failed,
+               per_problem=per)
     return res
 
 
@@ -221,7 +230,10 @@ def summary(res):
     """One line of an evaluate() result: pass@k, the well-formed share, the mean length, the problems' count."""
     return (" ".join(f"{k} {v:.3f}" for k, v in res.items() if k.startswith("pass@")) + f" | well-formed "
             f"{res['format_rate']:.3f} | mean_len {res['mean_len']:.0f} | truncated {res['truncation_rate']:.1%} | "
-            f"{res['n_problems']} problems")
+            f"{res['n_problems']} problems" + (f" | {res['retried_requests']} requests retried"
+                                               if res.get('retried_requests') else "")
+            + (f" | {res['failed_requests']} requests FAILED: their problems left out" if res.get('failed_requests')
+               else ""))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,33 @@ def keep_group(rewards):
     return len(set(rewards)) > 1
 
 
+def deal(kept, dp_size, n_minibatches=1):
+    """Who trains which of a step's kept groups, the same for any number of DP ranks. kept: [(stream position, rank
+    that drew it)], every rank's, in stream order. Minibatch m (one optimizer step) holds kept[m::n_minibatches], as in
+    one process; its groups go out in shares that differ by at most one (the lower ranks take the remainder), each
+    rank keeping the groups it drew before it takes others', so that few groups change rank.
+    -> [rank][minibatch] lists of stream positions."""
+    plan = [[[] for _ in range(n_minibatches)] for _ in range(dp_size)]
+    for m in range(n_minibatches):
+        part = kept[m::n_minibatches]
+        share = [len(part) // dp_size + (r < len(part) % dp_size) for r in range(dp_size)]
+        spare = []
+        for r in range(dp_size):
+            own = [pos for pos, owner in part if owner == r]
+            plan[r][m], extra = own[:share[r]], own[share[r]:]
+            spare += extra
+        for r in range(dp_size):
+            while len(plan[r][m]) < share[r]:
+                plan[r][m].append(spare.pop(0))
+    return plan
+
+
+def inert_group(prompt):
+    """A group that trains nothing (no response token is masked in): a DP rank with no share of a minibatch runs it,
+    so that its pipeline and expert-parallel peers see the same number of micro-batches."""
+    return prompt, [{"output_ids": prompt[-1:], "logprobs": [0.0]}], None
+
+
 def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", device="cpu", pad_to=1, replay=None,
                       args=None):
     """groups: [(prompt ids, [samples], [advantages])] -> n_micro right-padded micro-batches holding what the last
@@ -35,8 +62,9 @@ def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", dev
     pad_to: each micro-batch's length rounded up to a multiple of it (compiled layers: one graph for every length).
     replay: replay.columns of this stage: the engine's ids to replay, int32 [B, T, this stage's layers, k] under the
     field's name, row t for the token at t; -1 where the engine sent none (the last token, padding): the trainer's
-    router picks there, its indexer none. args: the ModelArgs they are checked against."""
-    samples = [(prompt, s, a) for prompt, ss, advs in groups for s, a in zip(ss, advs)]
+    router picks there, its indexer none. args: the ModelArgs they are checked against. A group whose advantages are
+    None (inert_group) adds rows with no mask, weight or replayed ids."""
+    samples = [(prompt, s, a) for prompt, ss, advs in groups for s, a in zip(ss, advs or [None] * len(ss))]
     out = []
     for chunk in [samples[i::n_micro] for i in range(n_micro)]:
         T = -(-max(len(p) + len(s["output_ids"]) for p, s, _ in chunk) // pad_to) * pad_to
@@ -49,6 +77,8 @@ def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", dev
             ids, P, R = p + s["output_ids"], len(p), len(s["output_ids"])
             mb["input_ids"][b, :len(ids)] = torch.tensor(ids)
             mb["tgt"][b, :len(ids) - 1] = torch.tensor(ids[1:])
+            if a is None:  # inert: tokens to run, nothing to learn
+                continue
             sl = slice(P - 1, P - 1 + R)
             mb["mask"][b, sl], mb["adv"][b, sl] = True, a
             mb["rollout_lp"][b, sl] = torch.tensor(s["logprobs"], dtype=torch.float32)
@@ -122,23 +152,28 @@ def grpo_loss(logits, mb, eps_low=0.2, eps_high=0.28, tis_cap=2.0, kl_coef=0.0, 
 
 
 def rollout_metrics(rstats, version, grid):
-    """The step's rollouts (rollout_groups' stats: samples, groups drawn and kept), summed over the DP ranks: reward
-    mean and std, accuracy, response lengths, truncation, kept groups, samples from weights other than `version`."""
+    """The step's rollouts (rollout_groups' stats: samples, groups drawn and kept, summed over the DP ranks; groups
+    trained, already global): reward
+    mean and std, accuracy, response lengths, truncation, kept groups, samples from weights other than `version`,
+    and requests the client sent again after a server failed them (rollout_retries)."""
     samples = rstats["samples"]
     rw = torch.tensor([s["reward"] for s in samples])
     lens = torch.tensor([float(len(s["output_ids"])) for s in samples])
     t = torch.tensor([rw.sum(), (rw ** 2).sum(), sum(s["correct"] for s in samples), len(samples), lens.sum(),
                       sum(s["finish_reason"]["type"] == "length" for s in samples), rstats["groups"], rstats["kept"],
-                      sum(s["weight_version"] != str(version) for s in samples)], device=grid.device, dtype=torch.float64)
+                      sum(s["weight_version"] != str(version) for s in samples),
+                      sum(s["attempts"] - 1 for s in samples)], device=grid.device, dtype=torch.float64)
     mx = torch.tensor([lens.max().item() if len(lens) else 0.0], device=grid.device)
     parallel.all_reduce(t, grid.dp_group, "rollout metrics")
     parallel.all_reduce(mx, grid.dp_group, "rollout length max", op=dist.ReduceOp.MAX)
-    tot = dict(zip(("r", "r2", "correct", "n", "tokens", "truncated", "groups", "kept", "stale"), t.tolist()))
+    tot = dict(zip(("r", "r2", "correct", "n", "tokens", "truncated", "groups", "kept", "stale", "retried"), t.tolist()))
     n = max(tot["n"], 1)
     return {"reward_mean": tot["r"] / n, "reward_std": math.sqrt(max(tot["r2"] / n - (tot["r"] / n) ** 2, 0)),
             "accuracy": tot["correct"] / n, "response_len_mean": tot["tokens"] / n, "response_len_max": mx.item(),
             "response_tokens": tot["tokens"], "truncation_rate": tot["truncated"] / n,
-            "kept_group_ratio": tot["kept"] / max(tot["groups"], 1), "stale_samples": int(tot["stale"])}
+            "kept_group_ratio": tot["kept"] / max(tot["groups"], 1), "sampled_groups": int(tot["groups"]),
+            "trained_groups": rstats["trained"], "stale_samples": int(tot["stale"]),
+            "rollout_retries": int(tot["retried"])}
 
 
 def step_line(rec, max_steps):
@@ -149,6 +184,8 @@ def step_line(rec, max_steps):
             f"clip {g('pg_clipfrac', '.3f')} | kl {g('approx_kl', '+.1e')} | ent {g('entropy', '.2f')} | |dlp| "
             f"{g('logprob_abs_diff', '.1e')} | gnorm {g('grad_norm', '.2f')} | t_roll {g('t_rollout', '.1f')}s t_train "
             f"{g('t_train', '.1f')}s t_sync {g('t_sync', '.1f')}s | {g('elapsed_s', '.0f')}s"
+            + (f" | {rec['rollout_retries']} requests retried" if rec.get('rollout_retries') else '')
+            + (f" | rollout failed once: {rec['rollout_error'][:200]}" if 'rollout_error' in rec else '')
             + (f" | skipped: {rec['skipped']}" if 'skipped' in rec else ''))
 
 

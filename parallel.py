@@ -131,6 +131,16 @@ def broadcast_object(obj, src, group, what):
     return box[0]
 
 
+def all_gather_object(obj, group, what):
+    """[every rank's picklable obj] in group-rank order (trainer ranks only); a group of one: [obj]."""
+    if group_size(group) == 1:
+        return [obj]
+    box = [None] * group_size(group)
+    with named(f"all_gather_object({what})", group):
+        dist.all_gather_object(box, obj, group=group)
+    return box
+
+
 def barrier(group, what):
     if group_size(group) > 1:
         with named(f"barrier({what})", group):

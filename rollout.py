@@ -45,6 +45,19 @@ def sample_seed(seed, prompt_idx, sample_idx):
     return int.from_bytes(digest, "little") % (1 << 31)
 
 
+def allow_open_files(n):
+    """Raise this process's soft limit on open files to n where the hard limit allows (many systems start at 1,024):
+    each request in flight holds a socket, on the client and on the server."""
+    import resource  # Unix only, as the rest of the stack
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < n:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n if hard == resource.RLIM_INFINITY else min(n, hard), hard))
+
+
+class Unreachable(RuntimeError):
+    """No server answered a request in 1 + retries attempts (connection trouble, 5xx): the servers, not the request."""
+
+
 def error_message(payload):
     """The text of an error body: {"error": "..."} (SGLang's contract errors, 401), {"error": {"message": ...}},
     {"success": false, "message": ...} (weight updates), or whatever a proxy sent, cut short."""
@@ -123,6 +136,7 @@ class RolloutClient:
         if not self.urls:
             raise ValueError("RolloutClient: no server URLs given")
         self.api_key, self.timeout, self.max_concurrency = api_key, timeout, max_concurrency
+        allow_open_files(max_concurrency + 1024)
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.outstanding, self.last_error = dict.fromkeys(self.urls, 0), dict.fromkeys(self.urls)
         self.fails = dict.fromkeys(self.urls, 0)  # failures in a row
@@ -172,13 +186,15 @@ class RolloutClient:
 
     def _unreachable(self, what):
         lines = "".join(f"\n  {u}: {self.last_error[u]}" for u in self.urls)
-        return RuntimeError(f"rollout servers unreachable: {what}; last error per server:{lines}")
+        return Unreachable(f"rollout servers unreachable: {what}; last error per server:{lines}")
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts, n, sampling, seed, desc="rollout", prompt_keys=None, replay=()):
+    def generate(self, prompts, n, sampling, seed, desc="rollout", prompt_keys=None, replay=(), partial=False):
         """n samples for each prompt (a list of token ids) -> [prompt][sample] dicts with output_ids, logprobs,
-        finish_reason, weight_version, prompt_tokens, completion_tokens and url, and the replay fields asked for
-        ("routed_experts", "indexer_topk": replay.py) as int32 tensors, a row a position (parse_sample).
+        finish_reason, weight_version, prompt_tokens, completion_tokens, url and attempts (1: the first try answered),
+        and the replay fields asked for ("routed_experts", "indexer_topk": replay.py) as int32 tensors, a row a
+        position (parse_sample). A request that fails 1 + retries times raises, unless partial: then its sample is
+        None and the others come back (an eval scores what it got and says what it lost; training wants whole groups).
         Group sampling is n separate requests per prompt (SGLang's own n > 1 would replace our rids), each
         with its own sampling_seed from (seed, prompt key, sample index); the key is the prompt's index here
         unless prompt_keys names it (the trainer passes global prompt indices, so samples do not depend on how
@@ -194,24 +210,30 @@ class RolloutClient:
         if not any(ok for u, ok in self.health().items() if u not in self.stale):
             raise self._unreachable(f"no server passed GET /health, or holds the current weights (stale: "
                                     f"{sorted(self.stale)})")
-        flat = asyncio.run(self._generate_all(bodies, desc))
+        flat = asyncio.run(self._generate_all(bodies, desc, partial))
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    async def _generate_all(self, bodies, desc):
+    async def _generate_all(self, bodies, desc, partial):
         # to_thread runs on the loop's default executor, whose min(32, cpus + 4) threads would cap concurrency
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(self.max_concurrency))
         limit, bar = asyncio.Semaphore(self.max_concurrency), Progress(len(bodies), desc)
 
         async def one(body):
             async with limit:
-                sample = await self._generate_one(body)
-            bar.update(sample["completion_tokens"])
+                try:
+                    sample = await self._generate_one(body)
+                except Unreachable as e:  # a 4xx or a bad answer is a RuntimeError: it always raises
+                    if not partial:
+                        raise
+                    print(f"{desc}: lost request {body['rid']}: {e}", file=sys.stderr, flush=True)
+                    sample = None
+            bar.update(sample["completion_tokens"] if sample else 0)
             return sample
         # TODO: on a hard failure the other requests still run to completion before the error surfaces
         return await asyncio.gather(*(one(b) for b in bodies))
 
     async def _generate_one(self, body):
-        for _ in range(1 + self.retries):
+        for attempt in range(1, 2 + self.retries):
             url = await self._pick()
             self.outstanding[url] += 1
             try:
@@ -222,7 +244,7 @@ class RolloutClient:
                 self.outstanding[url] -= 1
             if status == 200:
                 self.fails[url] = 0
-                return parse_sample(url, out, body)
+                return {**parse_sample(url, out, body), "attempts": attempt}
             if status is not None and status < 500:
                 raise RuntimeError(f"{url}/generate: HTTP {status}: {error_message(out)}")
             self._mark_down(url, out if status is None else f"HTTP {status}: {error_message(out)}")
@@ -307,14 +329,15 @@ class LocalClient:
     def __init__(self, engine):
         self.engine = engine
 
-    def generate(self, prompts, n, sampling, seed, desc="", prompt_keys=None):
+    def generate(self, prompts, n, sampling, seed, desc="", prompt_keys=None, partial=False):
         from engine import SamplingParams
         keys = prompt_keys or range(len(prompts))
         params = [SamplingParams(temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
                                  max_new_tokens=sampling["max_new_tokens"], seed=sample_seed(seed, k, j))
                   for k in keys for j in range(n)]
         reqs = self.engine.generate([p for p in prompts for _ in range(n)], params)
-        return [[{"output_ids": r.output_ids, "logprobs": r.output_logprobs, "finish_reason": r.finish_reason}
+        return [[{"output_ids": r.output_ids, "logprobs": r.output_logprobs, "finish_reason": r.finish_reason,
+                  "attempts": 1}
                  for r in reqs[i * n:(i + 1) * n]] for i in range(len(prompts))]
 
 
@@ -382,6 +405,7 @@ if __name__ == "__main__":
             p.error("--invariant runs eager (a Python dispatch mode per op): leave --compile off")
         if args.compile == "layers" and (args.device == "cpu" or not torch.cuda.is_available()):
             p.error("--compile layers needs a GPU: inductor's C++ code for the decode step does not build on the CPU")
+        allow_open_files(65536)  # a socket per request in flight
         server.serve(args)
         sys.exit(0)
     # Self-check on CPU in seconds: a tiny random model behind the embedded server; the client's logprobs

@@ -43,7 +43,7 @@ from memory_plan import plan_table
 import weight_sync as wsync
 from eval_aime import evaluate, load_problems, math_reward, overlong_penalty, summary
 import grpo  # its losses are looked up there: compile='layers' swaps them for compiled ones
-from grpo import group_advantages, keep_group, make_microbatches
+from grpo import deal, group_advantages, inert_group, keep_group, make_microbatches
 from checkpoint import load_weights
 from kernel_check import choose as choose_kernels
 from model_dsv4 import ModelArgs, length_multiple
@@ -211,16 +211,16 @@ opt = AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, offload=optimi
 n_params = sum(p.numel() for p in model.parameters())
 print0(f"rank 0 holds {n_params / 1e6:.1f}M parameters, trains {sum(p.numel() for p in opt.params) / 1e6:.1f}M "
        f"({trainable}{', router gates frozen' if freeze_router else ''})")
-order = list(range(len(problems)))  # the data stream
+order = list(range(len(problems)))  # the data stream, one for every layout, cycled
 random.Random(seed).shuffle(order)
-my_stream = order[grid.dp_rank::grid.dp_size]  # this DP rank's prompts, in order, cycled
-cursor = 0  # position in my_stream (saved in checkpoints)
+cursor = 0  # the next position in the stream (saved in checkpoints)
 encode = lambda p: prompt_ids(tok, p['prompt'])[-max_prompt_len:]
 start_step, weight_version = 0, 0  # the embedded server starts from the trainer's weights, labelled with their version
 if resume_dir:
     st = faults.load_state(resume_dir, grid)
     opt.load_state_dict(st['opt'])
-    cursor, start_step, weight_version = st['cursor'], st['step'] + 1, st['weight_version']
+    start_step, weight_version = st['step'] + 1, st['weight_version']
+    cursor = st['stream_pos'] if 'stream_pos' in st else st['cursor'] * grid.dp_size  # older: a position per rank
     print0(f"resumed from {resume_dir} at step {start_step} (the newest complete checkpoint; ignoring incomplete "
            f"{faults.checkpoints(out_dir)[1]})")
 
@@ -258,18 +258,25 @@ if external:
 # GRPO: rollouts, advantages, dynamic sampling, the token loss
 
 def rollout_groups(step):
-    """This DP rank's groups for the step: n samples per prompt, rewarded; flat groups dropped and refilled."""
+    """The step's groups by one rule for any layout (on the first stage of each DP replica, together): the stream's
+    next prompts, n samples each, shared out over the DP ranks; with dynamic sampling a group whose rewards all agree
+    is dropped and the stream's next prompts refill the batch, up to max_sampling_rounds rounds. The kept groups, in
+    stream order, are then dealt out (grpo.deal). -> ([minibatch][group] this rank trains, this rank's stats)"""
     global cursor
-    quota, kept, stats = n_prompts // grid.dp_size, [], dict(groups=0, kept=0, samples=[])
-    for rnd in range(max_sampling_rounds if dynamic_sampling else 1):
-        pos = [cursor + i for i in range(quota - len(kept))]  # positions in this rank's stream
-        take = [problems[my_stream[i % len(my_stream)]] for i in pos]
-        cursor += len(take)
-        # seeds from (seed, step, the prompt's position in the global stream): the same samples for any layout
-        outs = client.generate([encode(p) for p in take], n_samples, dict(
-            temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens), seed=seed * 100003 + step,
-            desc=f"step {step} rollout", prompt_keys=[i * grid.dp_size + grid.dp_rank for i in pos], replay=replayed)
-        for p, samples in zip(take, outs):
+    kept, mine, stats = [], {}, dict(groups=0, kept=0, samples=[])  # kept: (stream position, rank that drew it)
+    for _ in range(max_sampling_rounds if dynamic_sampling else 1):
+        pos = list(range(cursor, cursor + n_prompts - len(kept)))
+        cursor += len(pos)
+        pos = pos[grid.dp_rank::grid.dp_size]  # this rank's share of the round
+        take = [problems[order[i % len(order)]] for i in pos]
+        err, outs, flags = None, [], []
+        try:  # seeds from (seed, step, stream position): the same samples whichever rank asks
+            outs = client.generate([encode(p) for p in take], n_samples, dict(temperature=temperature, top_p=top_p,
+                                   max_new_tokens=max_new_tokens), seed=seed * 100003 + step,
+                                   desc=f"step {step} rollout", prompt_keys=pos, replay=replayed)
+        except RuntimeError as e:  # servers unreachable, bad answers: the other ranks hear of it just below
+            err = f"{type(e).__name__}: {e}"
+        for i, p, samples in zip(pos, take, outs):
             for s in samples:
                 s['reward'] = s['correct'] = math_reward(tok.decode(s['output_ids']), p['answer'])
                 if overlong_buffer:
@@ -277,21 +284,32 @@ def rollout_groups(step):
             rewards = [s['reward'] for s in samples]
             stats['groups'] += 1
             stats['samples'] += samples
-            if dynamic_sampling and not keep_group(rewards):
-                continue
-            kept.append((encode(p), samples, group_advantages(rewards)))
-        if len(kept) >= quota:
+            flags.append((i, keep_group(rewards) or not dynamic_sampling))
+            if flags[-1][1]:
+                mine[i] = (encode(p), samples, group_advantages(rewards))
+        every = parallel.all_gather_object((err, flags), grid.dp_group, 'kept groups')  # every rank's verdicts
+        if err := next((e for e, _ in every if e), None):
+            raise RuntimeError(err)
+        kept += sorted((i, r) for r, (_, rank_flags) in enumerate(every) for i, keep in rank_flags if keep)
+        if len(kept) >= n_prompts:
             break
-    stats['kept'] = len(kept)
-    return kept, stats
+    stats['kept'], stats['trained'] = len(mine), len(kept)
+    owner, plan = dict(kept), deal(kept, grid.dp_size, n_minibatches)
+    moving = [i for r, parts in enumerate(plan) for part in parts for i in part if owner[i] != r]
+    if moving:  # the groups that change rank travel once, over the DP group
+        sent = {i: mine[i] for i in moving if owner[i] == grid.dp_rank}
+        for arrived in parallel.all_gather_object(sent, grid.dp_group, 'dealt groups'):
+            mine.update(arrived)
+    return [[mine[i] for i in part] for part in plan[grid.dp_rank]], stats
 
 
 def rollout_step(step):
     """rollout_groups, checked: samples from older weights than the trainer's (a restarted server) are refused. A failure
     on any rank fails every rank: the servers are synced again (a dead embedded one restarted first) and the step's
-    prompts redrawn with the same seeds, so none is lost. -> ((groups, stats) or None off stage 0, None) | (None, why)"""
+    prompts redrawn with the same seeds, so none is lost. -> ((groups, stats) or None off stage 0, [why an attempt
+    failed]); (None, [why, why]) when both did"""
     global cursor
-    start = cursor
+    start, errors = cursor, []
     for attempt in (1, 2):
         out, err = None, None
         if grid.pp_rank == 0:
@@ -301,16 +319,17 @@ def rollout_step(step):
                 if old:
                     client.stale.update(old)
                     err = f"samples from weights older than version {weight_version} from {sorted(old)}"
-            except RuntimeError as e:  # servers unreachable, bad answers (rollout_groups holds no collective)
+            except RuntimeError as e:  # servers unreachable, bad answers: raised on every first stage alike
                 err = f"{type(e).__name__}: {e}"
         err = wsync.agree(grid, err)
         if err is None:
-            return out, None
+            return out, errors
+        errors.append(err)
         cursor = start
         print0(f"step {step} rollout, attempt {attempt} failed: {err}")
         if attempt == 1:
             sync_weights()
-    return None, err
+    return None, errors
 
 
 # -----------------------------------------------------------------------------
@@ -318,7 +337,7 @@ def rollout_step(step):
 
 def save_checkpoint(step):
     faults.save_checkpoint(out_dir, step, lambda d: wsync.save_weights(model, grid, d, args), faults.trainer_state(
-        step, opt, cursor=cursor, weight_version=weight_version), grid, config, keep_checkpoints)
+        step, opt, stream_pos=cursor, weight_version=weight_version), grid, config, keep_checkpoints)
 
 
 # -----------------------------------------------------------------------------
@@ -390,32 +409,36 @@ for step in range(start_step, max_steps):
     watchdog.arm(f"step {step}")
     evals = held_out_eval(step) if eval_interval and step % eval_interval == 0 else {}  # before this step's update
     t0 = time.time()
-    out, err = rollout_step(step)
-    if err:
-        log({'step': step, 'skipped': f'rollouts failed: {err}', 'weight_version': weight_version, **evals},
-            f"step {step:05d}/{max_steps} | skipped: rollouts failed twice: {err}")
+    out, errors = rollout_step(step)
+    if len(errors) == 2:
+        log({'step': step, 'skipped': f'rollouts failed: {errors[-1]}', 'weight_version': weight_version, **evals},
+            f"step {step:05d}/{max_steps} | skipped: rollouts failed twice: {errors[-1]}")
         skips.update(step, 'rollouts failed')
         finish_step(step, saved=False)
         continue
     # every stage of a DP replica trains on the same samples
-    groups, rstats = parallel.broadcast_object(out, grid.rank - grid.pp_rank * grid.dp_size, grid.pp_group, 'samples')
-    n_keep = int(parallel.all_reduce(torch.tensor(float(len(groups)), device=grid.device), grid.dp_group, 'kept groups',
-                                     op=dist.ReduceOp.MIN))
-    groups = groups[:n_keep]  # every DP rank trains on the same number of samples
+    # every stage of a DP replica trains on the same samples: [minibatch][group]
+    parts, rstats = parallel.broadcast_object(out, grid.rank - grid.pp_rank * grid.dp_size, grid.pp_group, 'samples')
     t_roll = time.time() - t0
     rec = {'step': step, 'lr': lr_at(step, lr, warmup_steps, lr_schedule, max_steps, min_lr_ratio),
            'weight_version': weight_version, **evals, **grpo.rollout_metrics(rstats, weight_version, grid)}
+    if errors:
+        rec['rollout_error'] = errors[0][:1000]
     t1, bad = time.time(), None
-    if n_keep == 0:
+    if rstats['trained'] == 0:  # the same count on every rank
         rec.update(skipped='no group with reward spread')
     else:
         for g in opt.param_groups:
             g['lr'] = rec['lr']
-        norm_local = sum(len(s['output_ids']) for _, ss, _ in groups for s in ss) if loss_agg == 'token_mean' else n_keep * n_samples
+        samples = [s for part in parts for _, ss, _ in part for s in ss]
+        norm_local = sum(len(s['output_ids']) for s in samples) if loss_agg == 'token_mean' else len(samples)
         norm = float(parallel.all_reduce(torch.tensor(float(norm_local), device=grid.device), grid.dp_group, 'loss norm'))
-        minis = [make_microbatches(part, min(n_microbatches, len(part) * n_samples), norm / n_minibatches, loss_agg,
-                                   grid.device, pad_to, replayed, args)
-                 for part in (groups[i::n_minibatches] for i in range(n_minibatches))]
+        # as many micro-batches on every DP rank (expert-parallel peers run each one together): the fewest samples
+        fewest = parallel.all_reduce(torch.tensor([float(len(part) * n_samples) for part in parts], device=grid.device),
+                                     grid.dp_group, 'fewest samples', op=dist.ReduceOp.MIN).tolist()
+        minis = [make_microbatches(part or [inert_group(encode(problems[0]))], int(min(n_microbatches, max(few, 1))),
+                                   norm / n_minibatches, loss_agg, grid.device, pad_to, replayed, args)
+                 for part, few in zip(parts, fewest)]
         for mbs in minis if n_minibatches > 1 else []:  # the old policy's logprobs, before any of this rollout's updates
             for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, grpo.token_logprobs)):
                 mb['old_lp'] = lp

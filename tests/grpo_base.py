@@ -5,7 +5,10 @@ and such runs agree whatever the policy-gradient path does. This base writes the
 half the time, so a group of 4 samples mostly holds right and wrong answers: reward spread. It is made once a pytest
 session, in the test process, and every compared run starts from it (--init_from), so every layout starts from the
 same weights."""
+import json
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -63,6 +66,45 @@ def make_base(path, steps=40, seed=0):
     return loss.item()
 
 
+def make_math_base(path, problems, steps=80, seed=0):
+    """The default run's model (config/models/micro.json) with its random body and its output end fitted, as
+    make_base's, to answer each math problem with "Answer: <n>" + EOS: the right n with probability 0.97, 0.5 and 0.03
+    in turn over the problems, else n + 1. Most groups of 4 samples on the first and last kinds are flat (all right or
+    all wrong): dynamic sampling drops them and draws again. -> the last loss (nats per problem)."""
+    from checkpoint import save_pretrained
+    from model_dsv4 import ModelArgs, Transformer
+    from tasks import ByteTokenizer, prompt_ids
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs.from_json(os.path.join(ROOT, "config", "models", "micro.json")), dtype=torch.float32)
+    model.init_weights(seed)
+    tok, rows = ByteTokenizer(), []  # (prompt, answer line, weight): two a problem, the right and the wrong answer
+    for i, p in enumerate(problems):
+        right = (0.97, 0.5, 0.03)[i % 3]
+        for answer, w in ((p["answer"], right), (str(int(p["answer"]) + 1), 1 - right)):
+            rows.append((prompt_ids(tok, p["prompt"]), tok.encode(f"Answer: {answer}") + [tok.eos_id], w))
+    T = max(len(p) + len(a) for p, a, _ in rows)
+    ids, mask = torch.full((len(rows), T), tok.pad_id), torch.zeros(len(rows), T - 1)
+    for b, (p, a, w) in enumerate(rows):  # right-padded; the mask weighs the answer line's targets
+        ids[b, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[b, len(p) - 1:len(p) + len(a) - 1] = w
+    with torch.no_grad(), model.numerics():  # the body's streams, computed once
+        model.stack_experts()
+        x = model.embed_streams(ids)
+        for layer in model.layers.values():
+            x = layer(x, ids)
+    opt = torch.optim.Adam([p for n, p in model.named_parameters() if n.startswith(("head.", "norm.", "hc_head_"))],
+                           lr=3e-2)
+    for _ in range(steps):
+        with model.numerics():
+            lp = model.logits(x[:, :-1]).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = -(lp * mask).sum() / len(problems)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    save_pretrained(model, path)
+    return loss.item()
+
+
 def base_checkpoint(tmp_path_factory):
     """The base's directory, made at the first call of the pytest session (config.json is written last)."""
     path = tmp_path_factory.getbasetemp() / "grpo_base"
@@ -81,3 +123,22 @@ def assert_policy_gradient(records):
     gradient is the whole gradient, and it is 0 exactly when every group's rewards are equal (all advantages 0)."""
     for r in records:
         assert r["reward_std"] > 0 and r["grad_norm"] > 0, {k: r.get(k) for k in ("step", "reward_std", "grad_norm")}
+
+
+def run(out, *args, nproc=1):
+    """The real entry point, tiny and quick: the toy task, rewards as graded, a checkpoint a step."""
+    base = ["--out_dir=" + str(out), "--init_from=scratch", "--model_config=config/models/tiny.json", "--data=toy",
+            "--eval_data=toy", "--n_prompts=4", "--n_samples=4",
+            "--eval_interval=0", "--n_microbatches=2", "--dynamic_sampling=False",
+            "--checkpoint_interval=1", "--keep_checkpoints=5", "--lr=3e-3"]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1
+           else [sys.executable]) + [os.path.join(ROOT, "train_grpo.py"), *base, *args]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def weights(ckpt):
+    from checkpoint import load_state_dict
+    return load_state_dict(ckpt)

@@ -1,14 +1,11 @@
 """GRPO: advantages, dynamic sampling, the token loss and its aggregation; the real entry point end to end."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from grpo import group_advantages, grpo_loss, keep_group, make_microbatches
-from grpo_base import ARGS as BASE_ARGS, assert_policy_gradient, base_checkpoint
+from grpo_base import ARGS as BASE_ARGS, assert_policy_gradient, base_checkpoint, run, weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,29 +115,10 @@ def test_clipping_tis_and_kl():
     assert loss_kl.item() - loss.item() == pytest.approx(0.1 * k3 * (mb["weight"] * mb["mask"]).sum().item(), rel=1e-4)
 
 
-def run(out, *args, nproc=1):
-    """The real entry point, tiny and quick: the toy task, rewards as graded, a checkpoint a step."""
-    base = ["--out_dir=" + str(out), "--init_from=scratch", "--model_config=config/models/tiny.json", "--data=toy",
-            "--eval_data=toy", "--n_prompts=4", "--n_samples=4",
-            "--eval_interval=0", "--n_microbatches=2", "--dynamic_sampling=False",
-            "--checkpoint_interval=1", "--keep_checkpoints=5", "--lr=3e-3"]
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1
-           else [sys.executable]) + [os.path.join(ROOT, "train_grpo.py"), *base, *args]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """Runs that are compared start from grpo_base's checkpoint, whose groups carry reward spread."""
     return [f"--init_from={base_checkpoint(tmp_path_factory)}", *BASE_ARGS]
-
-
-def weights(ckpt):
-    from checkpoint import load_state_dict
-    return load_state_dict(ckpt)
 
 
 def test_smoke_and_resume_equals_uninterrupted(tmp_path, base):
