@@ -376,21 +376,29 @@ if __name__ == "__main__":
             samples, records = parallel.broadcast_object((samples, records), 0, dist.group.WORLD, "samples")
         for mode in modes:
             recs = [{f: r[f] for f in MODES[mode]} for r in records]
+            cuda = next(trainer.parameters()).is_cuda
+            if cuda:  # the memory a mode's scoring adds: its peak over what was held before
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                held = torch.cuda.memory_allocated()
             t0 = time.perf_counter()
             scores = [trainer_logprobs(trainer, p, o, a.temperature, grid, r) for (p, o, _), r in zip(samples, recs)]
+            if cuda:
+                torch.cuda.synchronize()
             t_score = time.perf_counter() - t0
+            peak_mib = (torch.cuda.max_memory_allocated() - held) / 2 ** 20 if cuda else None
             if not report:
                 continue
             name = f"trainer {tp} vs " + (f"server {a.rollout_url}" if a.rollout_url else f"engine {ep}") + \
                 f", replay {mode}"
             res = compare(scores, samples, decode=decode)
-            res.update(t_score=t_score, **(pick_disagreement(trainer, samples, records, MODES[mode]) if grid is None
+            res.update(t_score=t_score, peak_mib=peak_mib, **(pick_disagreement(trainer, samples, records, MODES[mode]) if grid is None
                                            and record else {}))
             results.append(((tp, ep, mode), name, res))
             picks = {"experts differ": res.get("experts_differ"), "indexer rows differ": res.get("index_rows_differ"),
                      "indexer picks missed": res.get("index_picks_missed")}
             print(line(name, res) + "".join(f" | {k} {v:.4f}" for k, v in picks.items() if v is not None)
-                  + f" | scored in {t_score:.2f}s")
+                  + f" | scored in {t_score:.2f}s" + (f", peak +{peak_mib:.0f} MiB" if cuda else ""))
         if grid is not None and report:  # the layout against one process holding the whole trainer
             whole = prepare(base, tp, a.invariant)
             one = [trainer_logprobs(whole, p, o, a.temperature, rec=r) for (p, o, _), r in zip(samples, recs)]
@@ -406,11 +414,12 @@ if __name__ == "__main__":
     if a.table and report:
         f = lambda v: "-" if v is None else f"{v:.3g}"
         print("\n| trainer | engine | replay | mean abs d logprob | p99 | max | KL (k3) | first token | rest | experts "
-              "differ | indexer rows differ | indexer picks missed | scoring s |\n|" + "---|" * 13)
+              "differ | indexer rows differ | indexer picks missed | scoring s | scoring peak MiB |\n|" + "---|" * 14)
         for (tp, ep, mode), _, r in results:
             print(f"| {tp} | {ep} | {mode} | {r['mean']:.2e} | {r['p99']:.2e} | {r['max']:.2e} | {r['kl_k3']:.1e} | "
                   f"{r['first']:.2e} | {r['rest']:.2e} | {f(r.get('experts_differ'))} | "
-                  f"{f(r.get('index_rows_differ'))} | {f(r.get('index_picks_missed'))} | {r['t_score']:.2f} |")
+                  f"{f(r.get('index_rows_differ'))} | {f(r.get('index_picks_missed'))} | {r['t_score']:.2f} | "
+                  f"{f(r['peak_mib'])} |")
     if grid is not None:  # all ranks leave together, after the report: a rank still scoring when the others exit
         dist.barrier()    # aborts in gloo's teardown (SIGABRT on a loaded CPU)
         dist.destroy_process_group()

@@ -45,6 +45,10 @@ torch paths on the CPU too (tests/test_kernels.py holds them to the reference th
 kernels='reference', or a list without that path, gets past it.
 """
 import dataclasses
+import glob
+import hashlib
+import json
+import os
 
 import torch
 
@@ -64,9 +68,54 @@ PARTS = {"gemm_f32": ("train", "decode"), "attention": ("train", "decode"), "dec
          "sampling": ("sampler",)}
 
 
-def choose(mode, args, device, dtype, log=print):
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CACHE = os.path.join("out", "compile_cache", "kernel_check.json")  # train_grpo puts it in its compile_cache
+
+
+def device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+
+
+def verdict_key(args, device, dtype):
+    """What a verdict depends on: the GPU model, torch's and Triton's versions, the dtype, the check's model (its
+    widths), and the source of the kernels and of the reference they are held to."""
+    src = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(ROOT, "dsv4_kernels", "*.py"))) + [
+            os.path.join(ROOT, f) for f in ("kernel_check.py", "model_dsv4.py", "moe.py", "mhc.py", "kv_cache.py",
+                                            "engine.py")]:
+        src.update(open(path, "rb").read())
+    try:
+        import triton
+        triton = triton.__version__
+    except ImportError:
+        triton = None
+    return json.dumps([device_name(device), torch.__version__, triton, str(dtype), dataclasses.asdict(check_args(args)[0]),
+                       src.hexdigest()[:16]], sort_keys=True)
+
+
+def cached_check(args, device, dtype, cache):
+    """check's verdicts, read from the cache file when one there has the same verdict_key (a check takes tens of seconds
+    on a GPU, its cached verdict milliseconds), else checked and added. -> (verdicts, read from the cache?)"""
+    key = verdict_key(args, device, dtype)
+    try:
+        stored = json.load(open(cache))
+    except (OSError, ValueError):  # none yet, or unreadable: check again
+        stored = {}
+    if key in stored:
+        return stored[key], True
+    stored[key] = check(args, device, dtype)
+    if cache:
+        os.makedirs(os.path.dirname(cache) or ".", exist_ok=True)
+        with open(f"{cache}.{os.getpid()}.tmp", "w") as f:  # renamed: a reader sees the old file or the new one
+            json.dump(stored, f)
+        os.replace(f"{cache}.{os.getpid()}.tmp", cache)
+    return stored[key], False
+
+
+def choose(mode, args, device, dtype, log=print, cache=CACHE):
     """The fast paths to take for kernels=mode ('auto', 'fast', 'reference', or path names joined by commas) with a
-    model of ModelArgs args on device in dtype: a tuple of names for Transformer.set_kernels. One line to log."""
+    model of ModelArgs args on device in dtype: a tuple of names for Transformer.set_kernels. One line to log.
+    cache: the file of auto's verdicts (cached_check); None checks every time."""
     device = torch.device(device)
     if mode == "fast":
         on, line = KERNEL_PATHS, f"every fast path, unchecked: {', '.join(KERNEL_PATHS)}"
@@ -75,13 +124,14 @@ def choose(mode, args, device, dtype, log=print):
     elif mode == "auto" and device.type == "cpu":
         on, line = (), "the reference on the CPU (auto checks the fast paths on a GPU; kernels='fast' takes them here)"
     elif mode == "auto":
-        verdicts = check(args, device, dtype)
+        verdicts, cached = cached_check(args, device, dtype, cache) if cache else (check(args, device, dtype), False)
         if device.type == "cuda":  # the check's model and gradients, back to the run
             torch.cuda.empty_cache()
         on = tuple(p for p in KERNEL_PATHS if verdicts[p] is None)
         off = [f"{p} ({why})" for p, why in verdicts.items() if why is not None]
-        line = (f"checked on {torch.cuda.get_device_name(device) if device.type == 'cuda' else device}, "
-                f"{str(dtype).removeprefix('torch.')}: on {', '.join(on) or 'none'}; off {'; '.join(off) or 'none'}")
+        line = (f"checked on {device_name(device)}, {str(dtype).removeprefix('torch.')}"
+                f"{f' (the verdict cached in {cache})' if cached else ''}: on {', '.join(on) or 'none'}; "
+                f"off {'; '.join(off) or 'none'}")
     else:
         on = tuple(p for p in mode.split(",") if p)
         if not on or set(on) - set(KERNEL_PATHS):

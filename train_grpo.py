@@ -199,7 +199,8 @@ print0(f"building the model ({'scratch' if not model_dir else model_dir}), {dtyp
 model = parallel.build_stage(args, grid, dtype=ptype, pp_layers=split, init=model_dir is None, seed=seed)
 if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
-model.set_kernels(kernel_paths := choose_kernels(kernels, args, grid.device, ptype, print0)).set_invariant(invariant)
+kernel_paths = choose_kernels(kernels, args, grid.device, ptype, print0, os.path.join(compile_cache, 'kernel_check.json'))
+model.set_kernels(kernel_paths).set_invariant(invariant)
 if cache := compile_policy.use_compile(compile, compile_cache):  # swaps model_dsv4's (and the engine's) functions
     print0(f"compile cache: {cache}")
 pad_to = length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths

@@ -4,6 +4,7 @@ every path, 'reference' none, and Transformer.set_kernels by name reaches exactl
 the check takes the torch paths (attention, experts; mhc and gemm_f32 in bf16); the Triton ones need a GPU, where
 the same check runs them (tests/test_kernels*.py and friends hold each kernel to its reference)."""
 import copy
+import json
 
 import pytest
 import torch
@@ -60,7 +61,7 @@ def test_auto_falls_back_for_the_failing_and_the_disagreeing_path_only(dtype, mo
     monkeypatch.setattr(kernel_check, "check", lambda args, device, dt: real_check(args, "cpu", dt))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake MI355X")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    on = kernel_check.choose("auto", MINI, "cuda", dtype, lines.append)
+    on = kernel_check.choose("auto", MINI, "cuda", dtype, lines.append, cache=None)
     assert on == tuple(p for p in KERNEL_PATHS if p not in ("attention", "experts"))
     assert len(lines) == 1
     line = lines[0]
@@ -104,6 +105,28 @@ def test_fast_reference_named_lists_and_the_cpu(monkeypatch):
     for bad in ("attention,mha", "", ","):
         with pytest.raises(ValueError, match="decode_attention"):
             kernel_check.choose(bad, MINI, "cpu", torch.float32)
+
+
+def test_auto_verdict_is_cached_per_gpu_torch_dtype_and_source(monkeypatch, tmp_path):
+    """The check runs once for a GPU model, torch version, dtype, model widths and kernel source; later starts read its
+    verdict from the cache file. Another GPU or dtype checks again; so does a file that is not JSON."""
+    checks, lines = [], []
+    monkeypatch.setattr(kernel_check, "check", lambda args, device, dt: checks.append(dt) or {
+        p: ("off for the test" if p == "mhc" else None) for p in KERNEL_PATHS})
+    monkeypatch.setattr(kernel_check, "device_name", lambda device: gpu)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    cache, gpu = str(tmp_path / "c" / "kernel_check.json"), "Fake H100"
+    want = tuple(p for p in KERNEL_PATHS if p != "mhc")
+    for _ in range(3):
+        assert kernel_check.choose("auto", MINI, "cuda", torch.bfloat16, lines.append, cache) == want
+    assert checks == [torch.bfloat16] and "cached in" in lines[-1] and "cached" not in lines[0], lines
+    assert kernel_check.choose("auto", MINI, "cuda", torch.float32, lines.append, cache) == want
+    gpu = "Fake MI355X"
+    kernel_check.choose("auto", MINI, "cuda", torch.bfloat16, lines.append, cache)
+    assert checks == [torch.bfloat16, torch.float32, torch.bfloat16]
+    open(cache, "w").write("{not json")
+    kernel_check.choose("auto", MINI, "cuda", torch.bfloat16, lines.append, cache)
+    assert len(checks) == 4 and len(json.load(open(cache))) == 1
 
 
 def test_set_kernels_by_name_reaches_one_path():
