@@ -175,12 +175,12 @@ def pick_disagreement(model, samples, records, fields):
         T = len(p) + len(o) - 1
         sets = lambda t: t.sort(-1).values
         if stats:
-            n[:2] += torch.stack(stats).sum(0)
+            n[:2] += torch.stack(stats).sum(0).cpu()
         else:
-            e = torch.stack([own[("e", i)][:T] for i in model.layers], 1)
+            e = torch.stack([own[("e", i)][:T] for i in model.layers], 1).cpu()
             n[:2] += torch.tensor([(sets(e) != sets(rec["routed_experts"])).any(-1).sum(), e.shape[0] * e.shape[1]])
         if "indexer_topk" not in fields:
-            x, want = torch.stack([own[k][:T] for k in own if k[0] == "x"], 1), rec["indexer_topk"]
+            x, want = torch.stack([own[k][:T] for k in own if k[0] == "x"], 1).cpu(), rec["indexer_topk"]
             missed = picks_mask(want, T) & ~picks_mask(x, T)
             n[2:] += torch.tensor([(x != want).any(-1).sum(), x.shape[0] * x.shape[1], missed.sum(), (want >= 0).sum()])
     return {"experts_differ": (n[0] / n[1]).item(), "index_rows_differ": (n[2] / n[3]).item() if n[3] else None,

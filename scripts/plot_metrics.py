@@ -3,7 +3,7 @@ Curves of a GRPO run from its metrics.jsonl: reward, entropy and response length
 at each eval row. One PNG, four panels.
 
     python scripts/plot_metrics.py out/default/metrics.jsonl            # -> out/default/metrics.png
-    python scripts/plot_metrics.py out/h200_math/metrics.jsonl --out=curves.png
+    python scripts/plot_metrics.py out/gpu_math/metrics.jsonl --out=curves.png
 
 Needs matplotlib (pip install matplotlib); the trainer does not.
 """
