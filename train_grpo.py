@@ -26,6 +26,7 @@ Where this differs from the GRPO paper (Shao et al. 2024), each a common choice 
   - the reward is 0/1 (eval_aime.math_reward, the same grader as evaluation), optionally with DAPO's overlong penalty.
 """
 import json
+import math
 import os
 import random
 import subprocess
@@ -71,7 +72,7 @@ resume = False  # continue from the newest complete checkpoint in out_dir
 # parallel layout (tensor parallel is fixed at 1)
 pp_size, ep_size = 1, 1
 pp_layers = ''  # e.g. '11,11,11,10'; '' = balanced
-n_microbatches = 4
+n_microbatches = 1  # per DP rank; the default trains its batch at once (fewer, bigger ops); PP wants several
 recompute, optimizer_offload = False, False
 dist_timeout = 600  # seconds before a stuck collective fails (every process group; weight-sync calls too)
 watchdog_s = 0  # > 0: a step running longer prints every thread's stack on each rank and exits 124 (faults.py)
@@ -85,7 +86,7 @@ weight_sync_bucket_mb = 512  # distributed, tensor: bytes per bucket, the most o
 weight_sync_flatten = True  # distributed, tensor: a bucket as one tensor of its bytes (SGLang's 'flattened_bucket')
 weight_sync_verify = False  # after each sync, check every tensor's first rows on every server against what was sent
 rollout_quant = 'none'  # 'none' | 'fp8' | 'fp8_fp4': what the rollout engine serves
-rollout_max_batch = 128  # sequences a server decodes at once: a step's 16 x 8 samples in one batch
+rollout_max_batch = 512  # sequences a server decodes at once: an over-sampled step in one batch, an eval in four
 rollout_concurrency = 0  # /generate requests in flight a server (0: max(256, rollout_max_batch)); fewer decode in waves
 # data and sampling
 data = 'math'  # 'math' (tasks.py: RL prompts), 'toy', a .jsonl / .parquet path, or a hub dataset name
@@ -107,12 +108,13 @@ tis_cap = 2.0  # 0 turns truncated importance sampling off
 kl_coef, entropy_coef = 0.0, 0.0
 loss_agg = 'seq_mean_token_mean'  # | 'token_mean'
 n_minibatches = 1  # optimizer steps per rollout; > 1 recomputes the old-policy logprobs first
-dynamic_sampling, max_sampling_rounds = True, 4  # drop flat groups; rounds of over-sampling to refill the batch
+dynamic_sampling, max_sampling_rounds = True, 4  # drop flat groups; rounds of sampling to refill the batch
+max_oversample = 2.0  # a round draws as many prompts as the last step's kept share says it needs, at most this many times
 overlong_buffer, overlong_factor = 0, 1.0  # DAPO overlong penalty over the last overlong_buffer tokens (0 = off)
 freeze_router = False  # True: the router gate stays as it was (large-MoE RL recipes freeze it); its bias is never trained
 routing_replay, indexer_replay = False, False  # train through the engine's experts (R3) / CSA indexer picks: replay.py
 # logging, eval, checkpoints
-eval_interval = 10  # evals before steps 0, 10, 20, ... and after the last
+eval_interval = 15  # evals before steps 0, 15, 30, ... and after the last
 eval_n_samples, eval_limit = 8, 0  # samples a problem; the first eval_limit problems (0: all)
 checkpoint_interval, keep_checkpoints = 20, 2
 wandb_log, wandb_project = False, 'nano-dsv4-rl'
@@ -132,6 +134,8 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
                            weight_sync_bucket_mb=1e-6).items():
         if globals()[_k] < _least:  # a zero batch divides by zero, a zero-row server never schedules
             raise ValueError(f"{_k}={globals()[_k]!r}: must be {'positive' if _least else 'at least 0'}")
+    if max_oversample < 1:
+        raise ValueError(f"max_oversample={max_oversample!r}: must be at least 1 (1: draw only the groups still needed)")
     if invariant and compile != 'off':  # a Python dispatch mode per op; the compiled graphs would bypass it
         raise ValueError("invariant=True runs eager: set compile='off'")
     if compile == 'layers' and not dry_run and not torch.cuda.is_available():  # inductor's C++ decode: no CPU build
@@ -158,9 +162,12 @@ if not init_from and not resume_dir and not dry_run and not os.path.isfile(os.pa
         sys.exit(f"error: no SFT base in {base_dir}: make it first with `python train_sft.py {sft_config} "
                  f"--out_dir={base_dir}`, or pass init_from")
     print(f"no base in {base_dir}: training it first (train_sft.py {sft_config})", flush=True)
-    if subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train_sft.py'),
-                       sft_config, f'--out_dir={base_dir}', f'--seed={seed}', f'--math_steps={math_steps}',
-                       f'--math_digits={math_digits}', f'--math_ops={math_ops}', f'--math_words={math_words}']).returncode:
+    sft_cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train_sft.py'), sft_config,
+               f'--out_dir={base_dir}', f'--seed={seed}', f'--math_steps={math_steps}', f'--math_digits={math_digits}',
+               f'--math_ops={math_ops}', f'--math_words={math_words}']
+    if eval_interval:  # GRPO's step-0 eval measures the base: the SFT's own would repeat it
+        sft_cmd.append('--n_test=0')
+    if subprocess.run(sft_cmd).returncode:
         sys.exit(f"error: train_sft.py failed; the base in {base_dir} was not made")
 model_dir = resume_dir or (None if init_from == 'scratch' or dry_run else init_from or base_dir)  # dry run: model_config
 try:
@@ -215,6 +222,7 @@ print0(f"rank 0 holds {n_params / 1e6:.1f}M parameters, trains {sum(p.numel() fo
 order = list(range(len(problems)))  # the data stream, one for every layout, cycled
 random.Random(seed).shuffle(order)
 cursor = 0  # the next position in the stream (saved in checkpoints)
+keep_rate = 1.0  # the share of groups dynamic sampling kept in the last step, of every rank (saved in checkpoints)
 encode = lambda p: prompt_ids(tok, p['prompt'])[-max_prompt_len:]
 start_step, weight_version = 0, 0  # the embedded server starts from the trainer's weights, labelled with their version
 if resume_dir:
@@ -222,6 +230,7 @@ if resume_dir:
     opt.load_state_dict(st['opt'])
     start_step, weight_version = st['step'] + 1, st['weight_version']
     cursor = st['stream_pos'] if 'stream_pos' in st else st['cursor'] * grid.dp_size  # older: a position per rank
+    keep_rate = st.get('keep_rate', 1.0)
     print0(f"resumed from {resume_dir} at step {start_step} (the newest complete checkpoint; ignoring incomplete "
            f"{faults.checkpoints(out_dir)[1]})")
 
@@ -261,12 +270,19 @@ if external:
 def rollout_groups(step):
     """The step's groups by one rule for any layout (on the first stage of each DP replica, together): the stream's
     next prompts, n samples each, shared out over the DP ranks; with dynamic sampling a group whose rewards all agree
-    is dropped and the stream's next prompts refill the batch, up to max_sampling_rounds rounds. The kept groups, in
-    stream order, are then dealt out (grpo.deal). -> ([minibatch][group] this rank trains, this rank's stats)"""
-    global cursor
+    is dropped, and the stream's next prompts refill the batch, up to max_sampling_rounds rounds. A round draws the
+    prompts it needs over the last step's kept share (at most max_oversample times as many): each round costs a whole
+    decode's latency, and a bigger batch costs less than another round. The first n_prompts kept groups, in stream
+    order, are then dealt out (grpo.deal). -> ([minibatch][group] this rank trains, this rank's stats)"""
+    global cursor, keep_rate
     kept, mine, stats = [], {}, dict(groups=0, kept=0, samples=[])  # kept: (stream position, rank that drew it)
+    drawn = 0
     for _ in range(max_sampling_rounds if dynamic_sampling else 1):
-        pos = list(range(cursor, cursor + n_prompts - len(kept)))
+        need = n_prompts - len(kept)
+        if dynamic_sampling:
+            need = math.ceil(need / max(keep_rate, 1 / max_oversample))
+        pos = list(range(cursor, cursor + need))
+        drawn += need
         cursor += len(pos)
         pos = pos[grid.dp_rank::grid.dp_size]  # this rank's share of the round
         take = [problems[order[i % len(order)]] for i in pos]
@@ -294,6 +310,8 @@ def rollout_groups(step):
         kept += sorted((i, r) for r, (_, rank_flags) in enumerate(every) for i, keep in rank_flags if keep)
         if len(kept) >= n_prompts:
             break
+    keep_rate = len(kept) / drawn  # the same on every rank
+    kept = kept[:n_prompts]
     stats['kept'], stats['trained'] = len(mine), len(kept)
     owner, plan = dict(kept), deal(kept, grid.dp_size, n_minibatches)
     moving = [i for r, parts in enumerate(plan) for part in parts for i in part if owner[i] != r]
@@ -338,7 +356,8 @@ def rollout_step(step):
 
 def save_checkpoint(step):
     faults.save_checkpoint(out_dir, step, lambda d: wsync.save_weights(model, grid, d, args), faults.trainer_state(
-        step, opt, stream_pos=cursor, weight_version=weight_version), grid, config, keep_checkpoints)
+        step, opt, stream_pos=cursor, keep_rate=keep_rate,
+        weight_version=weight_version), grid, config, keep_checkpoints)
 
 
 # -----------------------------------------------------------------------------

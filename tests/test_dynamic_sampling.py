@@ -26,21 +26,24 @@ def math_base(tmp_path_factory):
 
 
 def test_dynamic_sampling_trains_the_same_batch_on_any_layout(tmp_path, math_base):
-    """The default job (the math task, every parameter, DAPO's dynamic sampling) for one step from a base whose
+    """The default job (the math task, every parameter, DAPO's dynamic sampling) for two steps from a base whose
     groups are partly flat: 1 process and PP2 x EP2 on 4 ranks (2 DP ranks) draw the same prompts, refill with the
-    same ones, and train the same groups. When each DP rank refilled from a stream of its own they did not."""
+    same ones (the second step over-samples by the first's kept share), and train the same groups. When each DP rank
+    refilled from a stream of its own they did not."""
     job = [f"--init_from={math_base}", "--data=math", "--eval_data=math", "--n_rl=24", "--seed=11", "--n_prompts=8",
            "--n_samples=4", "--max_new_tokens=16", "--dynamic_sampling=True", "--max_sampling_rounds=4",
-           "--trainable=all", "--lr=1e-4", "--max_steps=1", "--checkpoint_interval=1"]
-    one = run(tmp_path / "one", *job)[0]
-    four = run(tmp_path / "four", *job, "--pp_size=2", "--ep_size=2", nproc=4)[0]
-    assert one["sampled_groups"] > 8 and one["trained_groups"] >= 2 and one["grad_norm"] > 0, one  # refills happened
-    for k in ("sampled_groups", "trained_groups", "train_tokens", "response_tokens"):
-        assert one[k] == four[k], k
-    for k in ("reward_mean", "reward_std", "kept_group_ratio", "entropy", "grad_norm"):
-        assert one[k] == pytest.approx(four[k], rel=1e-5, abs=1e-7), k
-    assert one["loss"] == pytest.approx(four["loss"], abs=1e-5)
-    w0, w1, w4 = (weights(d) for d in (math_base, tmp_path / "one" / "ckpt_000000", tmp_path / "four" / "ckpt_000000"))
+           "--trainable=all", "--lr=1e-4", "--max_steps=2", "--checkpoint_interval=2"]
+    one = run(tmp_path / "one", *job)
+    four = run(tmp_path / "four", *job, "--pp_size=2", "--ep_size=2", nproc=4)
+    assert one[0]["sampled_groups"] > 8 and one[1]["sampled_groups"] > 8, one  # refills, then over-sampling
+    for a, b in zip(one, four):
+        assert a["trained_groups"] >= 2 and a["grad_norm"] > 0, a
+        for k in ("sampled_groups", "trained_groups", "train_tokens", "response_tokens"):
+            assert a[k] == b[k], (a["step"], k)
+        for k in ("reward_mean", "reward_std", "kept_group_ratio", "entropy", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    w0, w1, w4 = (weights(d) for d in (math_base, tmp_path / "one" / "ckpt_000001", tmp_path / "four" / "ckpt_000001"))
     moved = max((w1[k] - w0[k]).abs().max().item() for k in w1)
     # AdamW's first step moves an entry by up to lr (1e-4) and a different batch moves many by that much; rounding
     # that differs between the layouts shows only where a gradient is within a few 1e-8 of 0 (see test_grpo.py)

@@ -83,15 +83,16 @@ class Flaky(BaseHTTPRequestHandler):
     def do_GET(self):
         self.answer(200)
 
-    def do_POST(self):
+    def do_POST(self):  # a group a request: SGLang's batch form, a rid a sample
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        problem, first = body["rid"].split("-")[-2], body["rid"] not in self.seen
-        self.seen.add(body["rid"])
+        problem, first = body["rid"][0].split("-")[-2], body["rid"][0] not in self.seen
+        self.seen.add(body["rid"][0])
         if problem == "1" or problem == "2" and first:
             return self.answer(503)
-        self.answer(200, json.dumps({"output_ids": [7], "meta_info": {
-            "id": body["rid"], "finish_reason": {"type": "length"}, "prompt_tokens": len(body["input_ids"]),
-            "completion_tokens": 1, "weight_version": "0", "output_token_logprobs": [[-0.5, 7, None]]}}).encode())
+        self.answer(200, json.dumps([{"output_ids": [7], "meta_info": {
+            "id": rid, "finish_reason": {"type": "length"}, "prompt_tokens": len(ids), "completion_tokens": 1,
+            "weight_version": "0", "output_token_logprobs": [[-0.5, 7, None]]}}
+            for rid, ids in zip(body["rid"], body["input_ids"])]).encode())
 
 
 def test_a_failed_request_is_counted_never_silent(capsys):
