@@ -1,12 +1,13 @@
 """
-Which functions torch.compile wraps: a program's decision, made once by the entry points (train_grpo.py, server.py,
-bench/bench.py) before they build models. The model and the engine stay plain eager code; this module swaps some of their
-functions for compiled ones where they are looked up, so one call covers the trainer, the engine's prefill and its
-decode (inside the engine's CUDA graphs) alike.
+torch.compile at the call site: the entry points (train_grpo.py, server.py, bench/bench.py) decide once, and each object
+holds its compiled callables: each block its forward, the model its logits and head_loss, the engine its cache's
+methods and its sampler (instance attributes over the class's methods). No module's functions are swapped, so code a
+fork adds (a new loss, a new layer) runs eager until it is compiled where it is called, and two models in one process
+can differ.
 
   'off'     eager
-  'hot'     the chains of small elementwise ops: mHC's activations and Sinkhorn, norms, RoPE (compile_hot_paths)
-  'layers'  a whole layer at a time, the head and the losses (compile_layers)
+  'layers'  a whole layer at a time, the head and the last stage's head + loss (compile_model), and the engine's
+            prefill, decode and sampler (compile_engine, compile_kv_cache)
   'graphs'  bench/bench.py only: 'layers' with the trainer's layers recorded as CUDA graphs
 
 Any mode but 'off' also keeps inductor's compiled graphs and Triton kernels in one directory the user sees
@@ -15,29 +16,31 @@ library warning once.
 """
 import functools
 import os
+import types
 import warnings
 
 import torch
 
-import engine
-import grpo
+import engine as engine_module
 import kv_cache
-import mhc
 import model_dsv4
-import parallel
+
+MODES = ("off", "layers", "graphs")
 
 
 def use_compile(mode, cache_dir="out/compile_cache"):
-    """Returns the compile cache's directory, or None when mode is 'off'."""
-    if mode not in ("off", "hot", "layers", "graphs"):
-        raise ValueError(f"compile must be 'off', 'hot' or 'layers', got {mode!r}")
+    """The process's side of a compile mode: each warning once, the cache directory, dynamo's limits. Returns the
+    cache's directory, or None when mode is 'off'."""
+    if mode not in MODES:
+        raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off":
         return None
     warn_once()
-    if mode == "hot":
-        compile_hot_paths()
-    else:
-        compile_layers(graphs=mode == "graphs")
+    import torch._inductor.config  # here: importing inductor takes seconds, and most runs stay eager
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
+    # inductor's pad_mm pass weighs a GEMM's arithmetic intensity on the symbolic sizes and so guards on batch x
+    # length (a prefill compiled again at a new shape); V4's dims and the padded lengths are multiples of 64 already
+    torch._inductor.config.shape_padding = False
     return set_cache_dir(cache_dir)
 
 
@@ -69,47 +72,54 @@ def warn_once():
     warnings.showwarning = show_once
 
 
-def compile_layers(backend="inductor", graphs=False):
-    """torch.compile a whole layer at a time, where a step is bound by launching small kernels: Block.forward (the
-    trainer's layers and MTP), the head (Transformer.logits), the GRPO losses, the engine's prefill and decode of a
-    layer and its sampler. Layers of one kind (window / CSA / HCA, hash or learned router) share one graph, since a
-    module's parameters are inputs of the graph, not constants. The first call of each kind compiles (minutes for a
-    2B model on a GPU).
+def compile_model(model, mode="layers", backend="inductor"):
+    """Whole layers compiled where a step is bound by launching small kernels: each block's forward (one compiled
+    function for all: layers of one kind, window / CSA / HCA with a hash or learned router, share a graph, since a
+    module's parameters are inputs of the graph, not constants), the head (Transformer.logits: hc_head's collapse, the
+    final norm and the head's GEMM) and the last stage's head and loss as one graph (Transformer.head_loss: the
+    loss's backward writes the logits' gradient in bf16), the loss it is called with traced into it. Each compiled
+    callable is an attribute of its module, so every caller of layer(x, ids), model.logits(x) and
+    model.head_loss(...) takes it. The first call of each kind compiles (minutes for a 2B model on a GPU). Batch and
+    length are symbolic from the first call (_dynamic_dims): every GRPO step brings new lengths, and a graph for the
+    first step's exact shape would be compiled again at the second. The CPU tests pass backend="aot_eager": the same
+    graphs without code generation. Blocks added later (build the model first) and MTP's stay eager.
 
-    The trainer's functions and the prefill take batch and length as symbolic from the first call
-    (_dynamic_dims): every GRPO step brings new lengths, and a graph for the first step's exact shape
-    would be compiled again at the second. The prefill pads its length to model_dsv4.length_multiple, so one graph of
-    each kind takes every length. Decode keeps static shapes: its batch buckets repeat (Engine.warm_up compiles them).
-    The CPU tests pass backend="aot_eager": the same graphs without code generation.
+    mode='graphs' records each layer's forward and backward as CUDA graphs (inductor's reduce-overhead), so the host
+    no longer launches every kernel. It asks for static shapes, no host sync inside a layer, and each forward's
+    backward before the next forward; train_grpo.py's schedule (micro-batches in flight, recompute, a new length every
+    batch) is not checked against that, so only bench/bench.py offers it. Returns the model."""
+    trainer = lambda f: _dynamic_dims(torch.compile(f, backend=backend))
+    T = model_dsv4.Transformer
+    block = (torch.compile(model_dsv4.Block.forward, backend=backend, mode="reduce-overhead") if mode == "graphs"
+             else trainer(model_dsv4.Block.forward))
+    for layer in model.layers.values():
+        layer.forward = types.MethodType(block, layer)
+    if model.head is not None:  # the last stage; decode calls the head with length 1, which stays static
+        model.logits = trainer(types.MethodType(T.logits, model))
+        model.head_loss = trainer(types.MethodType(T.head_loss, model))
+    return model
 
-    graphs=True adds mode="reduce-overhead" to Block.forward: inductor records each layer's forward and backward as
-    CUDA graphs, so the host no longer launches every kernel. It asks for static shapes, no host sync inside a layer,
-    and each forward's backward before the next forward; train_grpo.py's schedule (micro-batches in flight,
-    recompute, a new length every batch) is not checked against that, so only bench/bench.py offers it."""
-    import torch._inductor.config  # here: importing inductor takes seconds, and most runs stay eager
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
-    # inductor's pad_mm pass weighs a GEMM's arithmetic intensity on the symbolic sizes and so guards on batch x
-    # length (a prefill compiled again at a new shape); V4's dims and the padded lengths are multiples of 64 already
-    torch._inductor.config.shape_padding = False
-    trainer = (lambda f: torch.compile(f, backend=backend)) if graphs else \
-              (lambda f: _dynamic_dims(torch.compile(f, backend=backend)))
-    m = model_dsv4
-    m.Block.forward = torch.compile(m.Block.forward, backend=backend, mode="reduce-overhead") if graphs \
-        else trainer(m.Block.forward)
-    # the head: hc_head's collapse of the streams, the final norm and the head's GEMM (decode calls it with length
-    # 1, which stays static: dynamo specialises sizes 0 and 1)
-    m.Transformer.logits = trainer(m.Transformer.logits)
-    # the losses: log-softmax, gather and entropy fused into a pass or two over the fp32 logits
-    grpo.grpo_loss, grpo.token_logprobs = (trainer(f) for f in (grpo.grpo_loss, grpo.token_logprobs))
-    # the last stage's head and loss in one graph: the loss's backward writes the logits' gradient in bf16
-    parallel.head_loss = trainer(parallel.head_loss)
-    kv_cache.KVCache.prefill_layer = trainer(kv_cache.KVCache.prefill_layer)
-    kv_cache.KVCache.pad_prefill = True
-    # decode: the batch symbolic from the first call, so each layer kind compiles once for every batch bucket (the
-    # engine's buckets start at 2: a size-1 batch would be specialised into a graph of its own)
-    kv_cache.KVCache.decode_layer = _dynamic_dims(torch.compile(kv_cache.KVCache.decode_layer, backend=backend), 1)
-    kv_cache.KVCache.step_rope = _dynamic_dims(torch.compile(kv_cache.KVCache.step_rope, backend=backend), 1)
-    engine.sample_tokens = torch.compile(engine.sample_tokens, backend=backend)  # the Gumbel noise: one kernel
+
+def compile_engine(engine, backend="inductor"):
+    """The engine's cache (compile_kv_cache) and its sampler (the Gumbel noise in one kernel) compiled; with
+    compile_model(engine.model), its layers' forward and the head. Returns the engine."""
+    compile_kv_cache(engine.cache, backend)
+    engine.sample_tokens = torch.compile(engine_module.sample_tokens, backend=backend)
+    return engine
+
+
+def compile_kv_cache(cache, backend="inductor"):
+    """A KVCache's prefill of a layer, the step's RoPE tables and the decode of a layer, compiled on this cache. The
+    prefill pads its length to model_dsv4.length_multiple, so one graph of each kind takes every length; the decode's
+    batch is symbolic from the first call, so each layer kind compiles once for every batch bucket (the engine's
+    buckets start at 2: a size-1 batch would be specialised into a graph of its own; Engine.warm_up compiles them
+    all). Returns the cache."""
+    K = kv_cache.KVCache
+    cache.prefill_layer = types.MethodType(_dynamic_dims(torch.compile(K.prefill_layer, backend=backend)), cache)
+    cache.pad_prefill = True
+    cache.decode_layer = types.MethodType(_dynamic_dims(torch.compile(K.decode_layer, backend=backend), 1), cache)
+    cache.step_rope = types.MethodType(_dynamic_dims(torch.compile(K.step_rope, backend=backend), 1), cache)
+    return cache
 
 
 def _dynamic_dims(compiled, dims=2):
@@ -120,7 +130,7 @@ def _dynamic_dims(compiled, dims=2):
     the engine's cache tensors (a row per slot plus a scratch one) never match the batch, so they stay static."""
     @functools.wraps(compiled)
     def run(*args, **kwargs):
-        if not torch.compiler.is_compiling():  # called from compiled code (grpo_loss -> token_logprobs): traced
+        if not torch.compiler.is_compiling():  # called from compiled code (head_loss -> logits): traced
             values = (*args, *kwargs.values())
             lead = next((a.shape[:dims] for a in values if isinstance(a, torch.Tensor)), ())
             for t in (t for a in values for t in (a.values() if isinstance(a, dict) else (a,))):
@@ -129,15 +139,3 @@ def _dynamic_dims(compiled, dims=2):
                         torch._dynamo.maybe_mark_dynamic(t, d)
         return compiled(*args, **kwargs)
     return run
-
-
-def compile_hot_paths():
-    """torch.compile the chains of small elementwise ops that leave a GPU waiting on launches: mHC's activations and
-    Sinkhorn (with the fast kernels off, 20 iterations of sum and divide a sublayer), norms and RoPE."""
-    compile = lambda fn: torch.compile(fn, dynamic=True)
-    m = model_dsv4
-    m.hc_split_sinkhorn, m.hc_mixes, m.apply_rope = (compile(f) for f in (m.hc_split_sinkhorn, m.hc_mixes,
-                                                                          m.apply_rope))
-    mhc.hc_mixes = m.hc_mixes  # where hc_head looks it up
-    m.Block.hc_post = compile(m.Block.hc_post)
-    m.RMSNorm.forward = compile(m.RMSNorm.forward)

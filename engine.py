@@ -69,7 +69,7 @@ def gumbel(seeds, counters, V):
 
 
 def sample_tokens(logits, params, draws, filtered):
-    """The device side of Engine._sample (compile_policy.compile_layers compiles it). logits fp32 [B, V]; params fp64
+    """The device side of Engine._sample (compile_policy.compile_engine compiles it). logits fp32 [B, V]; params fp64
     [B, 3]: temperature, top_p, top_k (V: off); draws int64 [B, 2]: seed, token index; filtered: some row has
     top-p or top-k -> fp64 [2, B]: the tokens and their logprobs."""
     V = logits.shape[1]
@@ -108,6 +108,7 @@ class Engine:
         self.cache = KVCache(model, max_batch + 1, max_len, self.device, static=self.graphs is not None, record=record)
         self._weights_in_place()
         self.vocab_size, self.eos_token_id = self.args.vocab_size, self.args.eos_token_id
+        self.sample_tokens = sample_tokens  # compile_policy.compile_engine puts a compiled one here
         self.weight_version = "default"
         self.lock = threading.Lock()  # held while stepping: weight swaps take it
         self.wake = threading.Condition()
@@ -293,7 +294,7 @@ class Engine:
             temp = torch.where(greedy, 1.0, params[:, 0]).float()
             chosen = sample_triton(logits, *(self._upload(t) for t in (temp, greedy, draws)))
         else:
-            chosen = sample_tokens(logits, self._upload(params), self._upload(draws), filtered)
+            chosen = self.sample_tokens(logits, self._upload(params), self._upload(draws), filtered)
         out = type("InFlight", (), {})()
         out.reqs, out.tokens, out.host = reqs, chosen[0].long(), chosen.to("cpu", non_blocking=True)
         out.event = torch.cuda.Event() if chosen.is_cuda else None

@@ -144,7 +144,7 @@ def choose(mode, args, device, dtype, log=print, cache=CACHE):
 
 def check(args, device, dtype):
     """{path: None where it runs and agrees with the reference, else why not} for every path of KERNEL_PATHS, on device
-    in dtype (the module docstring says how). Runs eager, whatever compile_policy has swapped in."""
+    in dtype (the module docstring says how). Runs eager: its own model, which nothing has compiled."""
     device = torch.device(device)
     small, span = check_args(args)
     with torch.device("meta"):

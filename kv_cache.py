@@ -39,7 +39,7 @@ class KVCache:
     through them. static: decode reads every compressed entry, masked (fixed shapes, for CUDA graphs and compiled
     code); else only up to the longest sequence's. record: the fields of RECORD to keep, int32 [max_len, K] (experts)
     and [max_len, index_topk] (CSA layers' indexer picks) a slot and layer."""
-    pad_prefill = False  # set by compile_policy.compile_layers: prefill pads its length to a multiple of length_multiple
+    pad_prefill = False  # compile_policy.compile_engine sets it: prefill pads its length to length_multiple
 
     def __init__(self, model, max_batch, max_len, device, static=False, record=()):
         a, dt = model.args, model.dtype
@@ -110,7 +110,7 @@ class KVCache:
         # one Block.forward over the batch's prompts x [B, T, n, D] (ids [B, T]), and what decode needs from them: the
         # window's keys kv [B, T, d] and, for each compressor of compressors(attn), (its entries, its kv and score
         # rows); and the experts each token went to [B, T, K] and the compressed entries each query read, the indexer's
-        # picks on a CSA layer (Attention.forward's picked). compile_policy.compile_layers compiles this (dynamic batch
+        # picks on a CSA layer (Attention.forward's picked). compile_policy.compile_engine compiles this (dynamic batch
         # and length: layers of one kind share it)
         a = self.args
         h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
@@ -159,7 +159,7 @@ class KVCache:
         return model.logits(x)[:, 0]
 
     def step_rope(self, model, pos):
-        """The step's RoPE angles, once for all layers (each layer's took ~4 small kernels; compile_policy.compile_layers
+        """The step's RoPE angles, once for all layers (each layer's took ~4 small kernels; compile_engine
         compiles this too): cos/sin [B, 1, rd/2] at each sequence's position for the layers of each base (key
         ("pos", ratio > 0)), and at the first position of the window that ends there for each compress ratio m
         (key ("start", m)), where the compressors' entries are rotated."""
@@ -169,7 +169,7 @@ class KVCache:
 
     def decode_layer(self, layer, c, x, slots, tokens, pos, rope):
         # one Block.forward for one token per sequence, reading and writing the layer's cache c; rope: step_rope's
-        # (compile_policy.compile_layers compiles this: layers of one kind share the compiled code)
+        # (compile_policy.compile_engine compiles this: layers of one kind share the compiled code)
         h, post, comb = layer.hc_pre(x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, layer.attn_norm)
         x = layer.hc_post(self._attn_decode(layer.attn, h, c, slots, pos, rope), x, post, comb)
         h, post, comb = layer.hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.ffn_norm)

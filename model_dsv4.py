@@ -215,11 +215,14 @@ def rope_inv_freq(rd, theta, scaling_items=None, device="cpu"):
 
 def rope_cos_sin(args, ratio, pos):
     """cos/sin [len(pos), rd/2] for a layer: plain base for ratio 0, compress base + YaRN otherwise."""
+    # compiled code traces the frequencies into its graph (constants there); the cache is for eager calls, and dynamo
+    # warns about a cached function it traces through
+    inv_freq = rope_inv_freq.__wrapped__ if torch.compiler.is_compiling() else rope_inv_freq
     if ratio == 0:
-        inv = rope_inv_freq(args.qk_rope_head_dim, float(args.rope_theta), None, pos.device)
+        inv = inv_freq(args.qk_rope_head_dim, float(args.rope_theta), None, pos.device)
     else:
         items = tuple(sorted((args.rope_scaling or {}).items()))
-        inv = rope_inv_freq(args.qk_rope_head_dim, float(args.compress_rope_theta), items, pos.device)
+        inv = inv_freq(args.qk_rope_head_dim, float(args.compress_rope_theta), items, pos.device)
     # decode's [B, 1] positions: a few numbers, which torch.compile folds into the kernels that rotate by them
     return angles(pos, inv) if pos.dim() > 1 else rope_angles(pos, inv)
 
@@ -670,6 +673,12 @@ class Transformer(nn.Module):
         # [B, T, n, D] -> fp32 [B, T, vocab]; the final norm comes after the stream collapse
         h = self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.args, self.fast))
         return linear_f32(h, self.head.weight)
+
+    def head_loss(self, x, mb, fn):
+        """The last pipeline stage's tail fn(fp32 logits of the streams x, mb) as one function: compiled as one graph
+        (compile_policy.compile_model), the loss's backward hands the head's GEMMs the logits' gradient in bf16, with
+        no fp32 copy and cast."""
+        return fn(self.logits(x), mb)
 
     def replay_kwargs(self, replay, stats=None):
         """Block.forward's replayed picks, a dict for each of this model's (or pipeline stage's) layers in order, from

@@ -195,7 +195,7 @@ def build_stage(args: ModelArgs, grid: Grid, dtype=torch.float32, pp_layers=None
 
 def stage_forward(model, x, ids, recompute=False, replay=None, stats=None):
     """x: [B, T, n, D] from the previous stage, or None on the first -> this stage's streams (the last stage's go on to
-    head_loss). Every stage gets the token ids: hash-routed layers read them, wherever they sit. The caller enters
+    model.head_loss). Every stage gets the token ids: hash-routed layers read them, wherever they sit. The caller enters
     model.numerics() (set_invariant's sums), so that the head and the loss are inside too. replay: the micro-batch's
     replayed ids, this stage's layers (Transformer.replay_kwargs), and stats its routers' counts."""
     model.stack_experts()
@@ -211,12 +211,6 @@ def stage_forward(model, x, ids, recompute=False, replay=None, stats=None):
 def replayed(mb):
     """The replay fields a micro-batch carries (grpo.make_microbatches)."""
     return {k: mb[k] for k in REPLAYED if k in mb}
-
-
-def head_loss(model, x, mb, fn):
-    """The last stage's tail fn(fp32 logits of the streams x, mb) as one function: compile_layers compiles it as one
-    graph, so the loss's backward hands the head's GEMMs the logits' gradient in bf16, with no fp32 copy and cast."""
-    return fn(model.logits(x), mb)
 
 
 # -----------------------------------------------------------------------------
@@ -292,7 +286,7 @@ def _forward(model, grid, x, mb, loss_fn, recompute, metrics):
             metrics["routing"] = metrics.get("routing", 0) + torch.stack(stats).sum(0)
         if not grid.is_last_stage:
             return out
-        loss = head_loss(model, out, mb, loss_fn)
+        loss = model.head_loss(out, mb, loss_fn)
     loss, extra = loss if isinstance(loss, tuple) else (loss, {})  # (loss, {name: value}) or a loss
     for k, v in extra.items():  # summed over micro-batches; names ending in _max take the max
         metrics[k] = max(metrics.get(k, 0.0), float(v)) if k.endswith("_max") else metrics.get(k, 0.0) + float(v)
@@ -361,7 +355,7 @@ def forward_only(model, grid, microbatches, fn):
         with model.numerics():
             y = stage_forward(model, x, mb["input_ids"], replay=replayed(mb))
             if grid.is_last_stage:
-                out.append(head_loss(model, y, mb, fn))
+                out.append(model.head_loss(y, mb, fn))
         send_fwd(grid, y)
     return out
 

@@ -388,8 +388,8 @@ if __name__ == "__main__":
     p.add_argument("--invariant", action="store_true", help="path-invariant numerics (compare_logprobs --invariant)")
     p.add_argument("--kernels", default="auto", help="auto | fast | reference | path names, comma-separated: the fast "
                    "paths to take (kernel_check.py; auto checks them on this GPU)")
-    p.add_argument("--compile", default="off", choices=["off", "hot", "layers"],
-                   help="torch.compile: mHC/norm/RoPE functions (hot) or each layer's decode step (layers, GPU only)")
+    p.add_argument("--compile", default="off", choices=["off", "layers"],
+                   help="torch.compile each layer's prefill and decode step, the head and the sampler (GPU only)")
     p.add_argument("--compile-cache", default="out/compile_cache", help="inductor's and Triton's compile caches "
                    "(TORCHINDUCTOR_CACHE_DIR wins; an embedded server inherits its trainer's)")
     p.add_argument("--enable-return-routed-experts", dest="record", action="append_const", const="routed_experts",

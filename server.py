@@ -368,7 +368,8 @@ class HTTPServer(ThreadingHTTPServer):
 
 
 def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None, api_key=None, max_batch=64,
-          max_len=4096, background=True, quant="none", fp8_emu=False, invariant=False, record=(), kernels="auto"):
+          max_len=4096, background=True, quant="none", fp8_emu=False, invariant=False, record=(), kernels="auto",
+          compile="off"):
     """Serve a model_dsv4.Transformer, or a checkpoint directory loaded with from_pretrained. Returns the
     HTTPServer (its .url, .close()), serving from a thread of its own, or not yet with background=False.
     fp8_emu: FP8 activations, KV and indexer FP4 as the reference computes them (model.set_fp8_emulation). invariant:
@@ -383,6 +384,9 @@ def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None
         model.set_fp8_emulation(True)
     httpd = HTTPServer((host, port), Handler)
     httpd.app = app = Server(model, path, api_key, max_batch, max_len, quant, record)
+    if compile != "off":  # the caller set compile_policy.use_compile (the cache, dynamo's limits)
+        compile_policy.compile_model(model)
+        compile_policy.compile_engine(app.engine)
     app.local = ipaddress.ip_address(httpd.server_address[0]).is_loopback
     if not app.local and not api_key:
         print(f"warning: listening on {host} without --api-key: /generate is open to the network, and the "
@@ -425,7 +429,7 @@ def serve(args):
     compile_policy.use_compile(args.compile, args.compile_cache)  # before the engine: its first decode steps compile
     httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
                   args.max_batch, args.max_len, background=False, quant=args.quant, fp8_emu=args.fp8_emu,
-                  invariant=args.invariant, record=args.record, kernels=args.kernels)
+                  invariant=args.invariant, record=args.record, kernels=args.kernels, compile=args.compile)
     httpd.app.engine.weight_version = args.weight_version  # SGLang's --weight-version: what its samples carry
     if args.compile == "layers":  # compile and capture every batch bucket now, not in the first rollout
         t0, done, stop = time.time(), [], threading.Event()

@@ -43,7 +43,7 @@ import replay
 from memory_plan import plan_table
 import weight_sync as wsync
 from eval_aime import evaluate, load_problems, math_reward, overlong_penalty, summary
-import grpo  # its losses are looked up there: compile='layers' swaps them for compiled ones
+import grpo
 from grpo import deal, group_advantages, inert_group, keep_group, make_microbatches
 from checkpoint import load_weights
 from kernel_check import choose as choose_kernels
@@ -64,7 +64,8 @@ sft_config = 'config/sft_micro.py'  # init_from='': the base's recipe, for train
 model_config = 'config/models/micro.json'  # init_from='scratch': the architecture
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
 kernels = 'auto'  # 'auto': the fast paths (dsv4_kernels/) that pass kernel_check.py on this GPU | 'fast' | 'reference'
-compile = 'off'  # torch.compile 'hot' paths (Sinkhorn, norms, RoPE) | whole 'layers' (compile_policy.py); the server too
+compile = 'off'  # 'layers': the trainer's layers, head and loss torch.compiled (compile_policy.py)
+rollout_compile = 'off'  # the embedded server: 'off' replays CUDA graphs of its eager decode; 'layers' compiles first
 compile_cache = 'out/compile_cache'  # inductor / Triton caches for the next launch (TORCHINDUCTOR_CACHE_DIR wins)
 invariant = False  # trainer and embedded server path-invariant (model.set_invariant): rollout logprobs equal the trainer's bit for bit; slow
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the math and toy tasks, else 'deepseek-v4'
@@ -124,7 +125,7 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
     for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io'), loss_agg=('seq_mean_token_mean',
                         'token_mean'), weight_sync=('disk', 'distributed', 'tensor'), rollout_quant=('none', 'fp8',
                         'fp8_fp4'), lr_schedule=('constant', 'cosine'), kernels=('auto', 'fast', 'reference'),
-                        compile=('off', 'hot', 'layers')).items():
+                        compile=('off', 'layers'), rollout_compile=('off', 'layers')).items():
         if globals()[_k] not in _ok:
             raise ValueError(f"{_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}")
     for _k, _least in dict(n_prompts=1, n_samples=1, max_prompt_len=1, max_new_tokens=1, n_microbatches=1,
@@ -136,10 +137,11 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
             raise ValueError(f"{_k}={globals()[_k]!r}: must be {'positive' if _least else 'at least 0'}")
     if max_oversample < 1:
         raise ValueError(f"max_oversample={max_oversample!r}: must be at least 1 (1: draw only the groups still needed)")
-    if invariant and compile != 'off':  # a Python dispatch mode per op; the compiled graphs would bypass it
-        raise ValueError("invariant=True runs eager: set compile='off'")
-    if compile == 'layers' and not dry_run and not torch.cuda.is_available():  # inductor's C++ decode: no CPU build
-        raise ValueError("compile='layers' needs a GPU; on the CPU use compile='off' or 'hot'")
+    for _k in ('compile', 'rollout_compile'):
+        if invariant and globals()[_k] != 'off':  # a Python dispatch mode per op; compiled graphs would bypass it
+            raise ValueError(f"invariant=True runs eager: set {_k}='off'")
+        if globals()[_k] == 'layers' and not dry_run and not torch.cuda.is_available():  # inductor's C++: no CPU build
+            raise ValueError(f"{_k}='layers' needs a GPU; on the CPU use {_k}='off'")
     knobs = dict(steps=math_steps, digits=math_digits, ops=math_ops, words=math_words)
     load = lambda name, split, key: (toy_problems() if name == 'toy' else load_problems(name, split, key=key)
                                      if name != 'math' else math_problems('rl', n_rl, seed, **knobs) if split == 'train'
@@ -208,7 +210,8 @@ if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
 kernel_paths = choose_kernels(kernels, args, grid.device, ptype, print0, os.path.join(compile_cache, 'kernel_check.json'))
 model.set_kernels(kernel_paths).set_invariant(invariant)
-if cache := compile_policy.use_compile(compile, compile_cache):  # swaps model_dsv4's (and the engine's) functions
+if cache := compile_policy.use_compile(compile, compile_cache):
+    compile_policy.compile_model(model)  # its blocks, head and head + loss: the loss below is traced into it
     print0(f"compile cache: {cache}")
 pad_to = length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths
 replayed = replay.columns(args, model.layers, replay.fields(routing_replay, indexer_replay))  # the servers' ids we replay
@@ -244,7 +247,7 @@ if not external:
     if master:
         server = EmbeddedServer(sync_dir, ['--dtype', dtype, '--max-batch', str(rollout_max_batch), '--max-len',
                                            str(max_prompt_len + max_new_tokens), '--quant', rollout_quant, '--compile',
-                                           compile] + ['--invariant'] * invariant + [replay.FLAGS[f] for f in replayed]
+                                           rollout_compile] + ['--invariant'] * invariant + [replay.FLAGS[f] for f in replayed]
                                 + ['--kernels', ','.join(kernel_paths) or 'reference']).start(str(weight_version))
         rollout_url = server.url
     rollout_url = parallel.broadcast_object(rollout_url, 0, grid.world_group, 'rollout url')
@@ -254,7 +257,7 @@ client = RolloutClient(rollout_url, api_key=rollout_api_key or None, timeout=rol
 
 def servers_ready():
     """External servers are waited for at once. The embedded one is waited for at its first use: with
-    compile='layers' it compiles its decode step before it answers, while the trainer builds and warms up."""
+    rollout_compile='layers' it compiles its decode step before it answers, while the trainer builds and warms up."""
     if not client.ready:
         client.wait_ready(600 if external else 1800, server=server)
         print0(f"rollout servers ready: {rollout_url}")

@@ -46,9 +46,9 @@ p.add_argument("--bucket_mb", type=float, default=512, help="sync: bucket size (
 p.add_argument("--tmp", default=None, help="sync: directory for the disk transport (default: the system's temp dir)")
 p.add_argument("--kernels", default="auto", choices=["auto", "fast", "reference"],
                help="dsv4_kernels/'s fast paths (auto: those that pass kernel_check.py on this GPU) or the reference")
-p.add_argument("--compile", default="off", choices=["off", "hot", "layers", "graphs"],
-               help="compile_policy.compile_hot_paths() (hot) or compile_policy.compile_layers() (layers; graphs: "
-                    "with CUDA graphs of each layer's forward and backward, GPU only) before building the models")
+p.add_argument("--compile", default="off", choices=["off", "layers", "graphs"],
+               help="compile_policy.compile_model (and compile_engine for decode): layers; graphs: with CUDA graphs "
+                    "of each layer's forward and backward, GPU only")
 p.add_argument("--invariant", action="store_true", help="mismatch: both sides path-invariant (model.set_invariant)")
 p.add_argument("--profile", action="store_true", help="train, decode: our top CUDA/CPU ops (a step; 4 decode steps)")
 p.add_argument("--trace", default="", help="with --profile: also write the profiled steps' chrome://tracing JSON here")
@@ -180,6 +180,8 @@ def bench_decode(ours, ref, args, device, versions):
     from engine import Engine, SamplingParams
     prompts = torch.randint(2, args.vocab_size, (cli.batch, cli.seq), device=device)
     engine = Engine(ours, max_batch=cli.batch, max_len=cli.seq + cli.new_tokens)
+    if cli.compile != "off":
+        compile_policy.compile_engine(engine)
     greedy = lambda n: SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
 
     def run_ours(n):
@@ -392,14 +394,14 @@ def bench_train(ours, ref, args, device, dtype, versions):
     # transformers feeds its fp32 mHC outputs to bf16 linears, which fails without autocast: in bf16 runs it is a
     # mixed-precision peer, as it would be trained
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    # the same mean next-token loss on both sides: ours is the trainer's last stage (parallel.head_loss with
+    # the same mean next-token loss on both sides: ours is the trainer's last stage (Transformer.head_loss with
     # grpo.token_logprobs, compiled by --compile=layers/graphs as in training) on every position, the last one's dummy
     # target dropped from the mean as the trainer masks (slicing the logits first would copy them in the backward)
     next_token = lambda logits, mb: -grpo.token_logprobs(logits, mb)[:, :-1].mean()
 
     def ours_loss(m, x):
         with m.numerics():
-            return parallel.head_loss(m, parallel.stage_forward(m, None, x), {"tgt": x.roll(-1, 1)}, next_token)
+            return m.head_loss(parallel.stage_forward(m, None, x), {"tgt": x.roll(-1, 1)}, next_token)
     ref_loss = lambda m, x: F.cross_entropy(m(x).logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
     for name, model, loss_of in (("nano-dsv4-rl", ours, ours_loss), ("transformers", ref, ref_loss)):
         base = torch.cuda.memory_allocated() if cuda else 0
@@ -437,6 +439,8 @@ if __name__ == "__main__":
         ours = Transformer(copy.deepcopy(args), dtype=dtype)  # (--model=config/models/flash.json --layers=N)
     ours.to_empty(device=device).init_weights(draw_on=device)
     ours.set_kernels(choose_kernels(cli.kernels, args, device, dtype))
+    if cli.compile != "off":
+        compile_policy.compile_model(ours, cli.compile)
     if cli.what == "mismatch":
         from compare_logprobs import wide_init_
         bench_mismatch(wide_init_(ours), args, device, versions)

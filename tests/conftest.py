@@ -57,28 +57,28 @@ def randomize_(model, n_experts, top_k, seed=0):
 
 @pytest.fixture
 def compile_layers():
-    """compile_policy.compile_layers for one test: call it to switch on; the eager functions come back at the end
-    (it swaps them on the classes). Yields the switch; it returns dynamo's counters. On the CPU the backend is
-    aot_eager (the same graphs, autograd and cache writes, run without code generation: inductor's C++ build
-    takes minutes on 2 cores); on a GPU inductor."""
-    import engine
-    import grpo
+    """compile_policy at the call site for one test: compile_layers(*objects, graphs=False) compiles each model
+    (compile_model), engine (compile_engine, and its model) or KV cache (compile_kv_cache) it is given and returns
+    dynamo's counters; nothing outside those objects changes. On the CPU the backend is aot_eager (the same graphs,
+    autograd and cache writes, run without code generation: inductor's C++ build takes minutes on 2 cores); on a GPU
+    inductor."""
     import compile_policy
-    import kv_cache
-    import model_dsv4
-    import parallel
-    saved = (model_dsv4.Block.forward, model_dsv4.Transformer.logits, kv_cache.KVCache.decode_layer,
-             kv_cache.KVCache.step_rope, kv_cache.KVCache.prefill_layer, kv_cache.KVCache.pad_prefill,
-             engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss)
+    from engine import Engine
+    from kv_cache import KVCache
+    backend = "inductor" if torch.cuda.is_available() else "aot_eager"
 
-    def on(graphs=False):
+    def on(*objects, graphs=False):
         torch._dynamo.reset()
-        compile_policy.compile_layers(backend="inductor" if torch.cuda.is_available() else "aot_eager", graphs=graphs)
+        for obj in objects:
+            if isinstance(obj, Engine):
+                compile_policy.compile_model(obj.model, backend=backend)
+                compile_policy.compile_engine(obj, backend)
+            elif isinstance(obj, KVCache):
+                compile_policy.compile_kv_cache(obj, backend)
+            else:
+                compile_policy.compile_model(obj, "graphs" if graphs else "layers", backend)
         return torch._dynamo.utils.counters
     yield on
-    (model_dsv4.Block.forward, model_dsv4.Transformer.logits, kv_cache.KVCache.decode_layer,
-     kv_cache.KVCache.step_rope, kv_cache.KVCache.prefill_layer, kv_cache.KVCache.pad_prefill,
-     engine.sample_tokens, grpo.grpo_loss, grpo.token_logprobs, parallel.head_loss) = saved
     torch._dynamo.reset()
 
 

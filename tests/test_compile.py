@@ -1,7 +1,8 @@
-"""compile_policy.compile_layers in the trainer: whole layers (Block.forward), the head and the GRPO losses under
-torch.compile against the eager functions they replace (on the CPU with the aot_eager backend, on a GPU with
-inductor), CUDA graphs of the compiled layers step after step, and the compiles a GRPO run's new shapes cost.
-The engine's side and the startup refusals: test_compile_engine.py. The `compile_layers` fixture: conftest.py."""
+"""compile_policy.compile_model in the trainer: whole layers (each block's forward), the head and the last stage's head
++ GRPO loss under torch.compile against eager (on the CPU with the aot_eager backend, on a GPU with inductor), CUDA
+graphs of the compiled layers step after step, the compiles a GRPO run's new shapes cost, and compiling at the call
+site: one model compiled leaves the modules' functions and other models eager. The engine's side and the startup
+refusals: test_compile_engine.py. The `compile_layers` fixture: conftest.py."""
 import copy
 
 import pytest
@@ -33,13 +34,13 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
 
     def run(m, recompute=False, ids=ids):  # the trainer's stage and its last stage's head_loss
         probe = lambda lg, mb: (lg.log_softmax(-1)[..., 3].mean(), lg.detach())
-        loss, logits = parallel.head_loss(m, parallel.stage_forward(m, None, ids, recompute), None, probe)
+        loss, logits = m.head_loss(parallel.stage_forward(m, None, ids, recompute), None, probe)
         loss.backward()
         grads = torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
         m.zero_grad()
         return logits.detach().float(), grads
     exact, eager = run(m32), run(bf)
-    counters = compile_layers()
+    counters = compile_layers(bf)
     compiled = run(bf)
     assert counters["stats"]["unique_graphs"] >= 3  # the layers ran compiled: one graph per kind of layer
     for c, e, x in zip(compiled, eager, exact):
@@ -55,8 +56,8 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
         groups = [(torch.randint(2, SMALL.vocab_size, (8,), generator=g).tolist(),
                    [{"output_ids": torch.randint(2, SMALL.vocab_size, (L - 8,), generator=g).tolist(),
                      "logprobs": [-1.0] * (L - 8)} for L in lengths], [1.0, -1.0])] * n
-        for mb in make_microbatches(groups, 2, 4.0, device=dev, pad_to=pad_to):
-            loss, _ = grpo_loss(bf(mb["input_ids"]), mb)
+        for mb in make_microbatches(groups, 2, 4.0, device=dev, pad_to=pad_to):  # the trainer's path: head + loss
+            loss, _ = bf.head_loss(parallel.stage_forward(bf, None, mb["input_ids"]), mb, grpo_loss)
             loss.backward()
         if n == 3:
             graphs = counters["stats"]["unique_graphs"]  # the GRPO loss's (and token_logprobs') first compile
@@ -81,7 +82,7 @@ def test_reference_expert_loop_runs_eagerly_in_compiled_layers(compile_layers):
         return logits.detach(), grads
     batches = [torch.randint(0, SMALL.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4)).to(dev)]
     eager = [run(ids) for ids in batches]
-    counters = compile_layers()
+    counters = compile_layers(model)
     for ids, (logits, grads) in zip(batches, eager):
         c_logits, c_grads = run(ids)
         assert (c_logits - logits).abs().max() <= 1e-4 * logits.abs().max()
@@ -109,17 +110,17 @@ def test_compile_graphs_equal_compiled_step_after_step(compile_layers):
                                  [p.grad.float().flatten() for p in model.parameters() if p.grad is not None]))
             model.zero_grad(set_to_none=True)
         return out
-    compile_layers()
+    compile_layers(model)
     plain = steps()
-    compile_layers(graphs=True)
+    compile_layers(model, graphs=True)
     steps()  # inductor's first call of each layer warms up without graphs; the next ones record, then replay
     for a, b in zip(steps(), plain):  # not bit-equal: the backward's scatter-adds are atomic on a GPU
         assert (a - b).norm() <= 1e-3 * b.norm(), ((a - b).norm(), b.norm())
 
 
-def test_compiled_grpo_losses_equal_eager(compile_layers):
-    """The GRPO losses compile_layers compiles (grpo.grpo_loss with KL and entropy terms, grpo.token_logprobs): the
-    loss, every metric and the logits' gradient as eager's, fp32, two sequence lengths (the second compiles with
+def test_compiled_grpo_losses_equal_eager():
+    """The GRPO losses compiled where they are called (grpo.grpo_loss with KL and entropy terms, grpo.token_logprobs):
+    the loss, every metric and the logits' gradient as eager's, fp32, two sequence lengths (the second compiles with
     dynamic shapes)."""
     import grpo
     g = torch.Generator().manual_seed(7)
@@ -132,12 +133,15 @@ def test_compiled_grpo_losses_equal_eager(compile_layers):
               "first": torch.zeros(2, T, dtype=torch.bool)}
         mb["first"][:, 3] = True
         runs.append((logits, mb))
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    backend = "inductor" if CUDA else "aot_eager"
     eager_fns = grpo.grpo_loss, grpo.token_logprobs
-    counters = compile_layers()
-    assert grpo.grpo_loss is not eager_fns[0] and grpo.token_logprobs is not eager_fns[1]
+    compiled_fns = tuple(torch.compile(f, backend=backend) for f in eager_fns)
     for logits, mb in runs:
         out = []
-        for loss_fn, lp_fn in (eager_fns, (grpo.grpo_loss, grpo.token_logprobs)):
+        for loss_fn, lp_fn in (eager_fns, compiled_fns):
             x = logits.clone().requires_grad_()
             loss, metrics = loss_fn(x, mb, kl_coef=0.05, entropy_coef=0.01)
             lp = lp_fn(x, mb)
@@ -149,15 +153,36 @@ def test_compiled_grpo_losses_equal_eager(compile_layers):
         torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-7)
         assert m1.keys() == m0.keys() and all(torch.allclose(m1[k].float(), m0[k].float(), rtol=1e-5, atol=1e-5) for k in m0)
     assert counters["stats"]["unique_graphs"] >= 2  # both ran compiled, whole (no graph break: explain() says none)
+    torch._dynamo.reset()
+
+
+def test_compile_at_the_call_site_changes_only_the_model_compiled(compile_layers):
+    """compile_model gives one model's blocks, head and head_loss compiled callables of their own: the classes' and
+    modules' functions stay eager, so another model (or a fork's new loss) is untouched and runs eager."""
+    import grpo
+    import model_dsv4
+    before = (model_dsv4.Block.forward, model_dsv4.Transformer.logits, model_dsv4.Transformer.head_loss,
+              grpo.grpo_loss, grpo.token_logprobs)
+    a, b = (Transformer(copy.deepcopy(SMALL), dtype=torch.float32) for _ in range(2))
+    counters = compile_layers(a)
+    counters.clear()  # dynamo's counters outlive its reset: this test's own
+    assert before == (model_dsv4.Block.forward, model_dsv4.Transformer.logits, model_dsv4.Transformer.head_loss,
+                      grpo.grpo_loss, grpo.token_logprobs)
+    assert all("forward" in vars(layer) for layer in a.layers.values()) and "logits" in vars(a)
+    assert not any("forward" in vars(layer) for layer in b.layers.values()) and "logits" not in vars(b)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    b(ids)
+    assert counters["stats"]["unique_graphs"] == 0  # the other model ran eager
+    a(ids)
+    assert counters["stats"]["unique_graphs"] >= 2
 
 
 def test_compiled_head_loss_equals_eager(compile_layers):
-    """parallel.head_loss, the trainer's last stage (the head's GEMM and the GRPO loss over the vocabulary), compiled
+    """Transformer.head_loss, the trainer's last stage (the head's GEMM and the GRPO loss over the vocabulary), compiled
     as one graph without a break: loss, metrics and the gradients of the streams and the head's parameters as
     eager's (bf16 on a GPU, where the logits' gradient reaches the head's GEMMs in bf16 from the loss's own kernel;
     fp32 on the CPU). The old-policy logprobs (forward_only's head_loss with grpo.token_logprobs) too."""
     import grpo
-    import parallel
     dev, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     m = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
                    SMALL.num_experts_per_tok, seed=4).set_kernels(True).set_dtype(dtype).to(dev)
@@ -172,13 +197,13 @@ def test_compiled_head_loss_equals_eager(compile_layers):
 
     def run():
         x = x0.clone().requires_grad_()
-        loss, metrics = parallel.head_loss(m, x, mb, lambda lg, mb: grpo.grpo_loss(lg, mb, entropy_coef=0.0))
+        loss, metrics = m.head_loss(x, mb, lambda lg, mb: grpo.grpo_loss(lg, mb, entropy_coef=0.0))
         grads = torch.autograd.grad(loss, [x] + params)
         with torch.no_grad():
-            lp = parallel.head_loss(m, x0, mb, grpo.token_logprobs)
+            lp = m.head_loss(x0, mb, grpo.token_logprobs)
         return [loss, lp, *grads], metrics
     eager, eager_metrics = run()
-    counters = compile_layers()
+    counters = compile_layers(m)
     counters.clear()  # dynamo's counters outlive its reset: this test's own
     compiled, metrics = run()
     assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]  # compiled, whole

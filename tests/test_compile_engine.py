@@ -1,4 +1,4 @@
-"""compile_policy.compile_layers in the embedded engine: the compiled decode step against the eager engine and the
+"""compile_policy.compile_engine in the embedded engine: the compiled decode step against the eager engine and the
 forward, the compiled sampler and the Sinkhorn loop compiled code takes, Engine.warm_up's compiles before the first
 request (on the CPU with the aot_eager backend, on a GPU with inductor); and the startup refusals of compile='layers' on
 the CPU (inductor's C++ code for the decode step does not build there) and of compiling with --invariant. The trainer's
@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_compiled_decode_warms_up_once_a_kind_and_is_as_close_as_eager(compile_layers):
-    """The engine's compiled decode step (compile_policy.compile_layers, CPU, bf16), CSA and HCA layers. Engine.warm_up
+    """The engine's compiled decode step (compile_policy.compile_engine, CPU, bf16), CSA and HCA layers. Engine.warm_up
     (rollout.py --serve --compile layers, before the ready line) prefills twice and decodes once at every batch bucket
     on the scratch slot: the compiles happen there, the decode's once for every bucket (the batch is symbolic from
     the first call, compile_policy._dynamic_dims; a second bucket compiling again doubled a cold start), and decodes
@@ -45,8 +45,8 @@ def test_compiled_decode_warms_up_once_a_kind_and_is_as_close_as_eager(compile_l
             out.append((lp - torch.tensor(r.output_logprobs)).abs())
         return torch.cat(out).mean().item()
     eager = gap(Engine(model, max_batch=4, max_len=80).generate(prompts, params))
-    counters = compile_layers()
     engine = Engine(model, max_batch=8, max_len=80)
+    counters = compile_layers(engine)
     calls, graphs = [], []
     engine.warm_up(lambda *a: (calls.append(a), graphs.append(counters["stats"]["unique_graphs"])))
     assert engine.buckets == [2, 4, 8] and len(set(graphs)) == 1, graphs  # no bucket after the first compiles
@@ -63,7 +63,7 @@ def test_compiled_decode_warms_up_once_a_kind_and_is_as_close_as_eager(compile_l
 
 
 def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
-    """What compile_layers swaps in for the engine's sampler draws the eager sampler's tokens, and the Sinkhorn loop
+    """The sampler compile_engine gives an engine draws the eager sampler's tokens, and the Sinkhorn loop
     that compiled code takes without autograd (mhc.sinkhorn_entries, one tensor per entry) gives the batched
     loop's mixes, and compiled code with autograd keeps the batched loop (mixes and gradient as eager's)."""
     import engine
@@ -75,10 +75,12 @@ def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
     draws = torch.tensor([[11, 0], [12, 5], [13, 9], [2 ** 62, 1], [5, 100], [6, 3]])  # seed, token index
     eager = engine.sample_tokens
     want = [eager(logits[:k], params[:k], draws[:k], k > 3) for k in (3, 6)]
-    compile_layers()
-    assert engine.sample_tokens is not eager
+    model = Transformer(copy.deepcopy(SMALL), dtype=torch.float32)
+    compiled = engine.Engine(model, max_batch=4, max_len=16)
+    compile_layers(compiled)
+    assert compiled.sample_tokens is not eager and engine.sample_tokens is eager  # the engine's, not the module's
     for k, w in zip((3, 6), want):
-        got = engine.sample_tokens(logits[:k], params[:k], draws[:k], k > 3)
+        got = compiled.sample_tokens(logits[:k], params[:k], draws[:k], k > 3)
         assert torch.equal(got[0], w[0]) and (got[1] - w[1]).abs().max() < 1e-5
     mixes = torch.randn(2, 7, 24, generator=g, requires_grad=True)
     args = (mixes, torch.randn(3, generator=g), torch.randn(24, generator=g), 4, 20, 1e-6)
@@ -107,8 +109,8 @@ CPU_ONLY = pytest.mark.skipif(CUDA, reason="the refusal is for machines without 
     pytest.param(["train_grpo.py", "--compile=layers"], "compile='layers' needs a GPU", marks=CPU_ONLY),
     pytest.param(["rollout.py", "--serve", "--model", ".", "--compile", "layers"], "--compile layers needs a GPU",
                  marks=CPU_ONLY),
-    (["train_grpo.py", "--invariant=True", "--compile=hot"], "invariant=True runs eager"),
-    (["rollout.py", "--serve", "--model", ".", "--invariant", "--compile", "hot"], "--invariant runs eager")])
+    (["train_grpo.py", "--invariant=True", "--compile=layers"], "invariant=True runs eager"),
+    (["rollout.py", "--serve", "--model", ".", "--invariant", "--compile", "layers"], "--invariant runs eager")])
 def test_startup_refusals(cmd, expect):
     """Exit 2 with the reason at startup, not an inductor error at the first rollout: compile='layers' without a
     GPU, and compiling with path-invariant numerics (a dispatch mode the compiled graphs would bypass)."""
@@ -117,7 +119,7 @@ def test_startup_refusals(cmd, expect):
 
 
 def test_compiled_prefill_equals_eager_and_stops_compiling(compile_layers):
-    """The engine's compiled prefill (KVCache.prefill_layer under compile_layers, its prompts padded to a multiple of
+    """The engine's compiled prefill (KVCache.prefill_layer under compile_kv_cache, its prompts padded to a multiple of
     model_dsv4.length_multiple: 128 here) against the eager one: SMALL's window, CSA and HCA layers, fp32, prompts of
     5, 19 and 40 tokens (padded to 128), then 4 decode steps from the caches it filled. The last-position logits of
     the prefill and every decode step's logits to 1e-5 of the largest: the padding reaches nothing that is read.
@@ -135,15 +137,17 @@ def test_compiled_prefill_equals_eager_and_stops_compiling(compile_layers):
     tokens = torch.randint(2, args.vocab_size, (4, 3), generator=g).to(dev)
     slots, L = torch.tensor([2, 0, 1], device=dev), torch.tensor([5, 19, 40], device=dev)
 
-    def run():
+    def run(compile=False):
         cache = KVCache(model, 4, 400, dev)
+        if compile:
+            run.counters = compile_layers(cache)
         with torch.no_grad():
             out = [cache.prefill(model, slots.tolist(), prompts)]
             out += [cache.decode(model, slots, tokens[i], L + i) for i in range(4)]
         return cache, out
     _, eager = run()
-    counters = compile_layers()
-    cache, compiled = run()
+    cache, compiled = run(compile=True)
+    counters = run.counters
     for e, c in zip(eager, compiled):
         assert (e - c).abs().max() <= 1e-5 * e.abs().max(), ((e - c).abs().max(), e.abs().max())
     with torch.no_grad():

@@ -221,9 +221,9 @@ def test_gpu_engine_records_under_cuda_graphs_and_compiled_layers(model, compile
     compiled trainer's replaying forward scores and counts as the eager one."""
     gpu = copy.deepcopy(model).set_dtype(torch.bfloat16).set_kernels(True).cuda()
     for compiled in (False, True):
-        if compiled:
-            compile_layers()
         engine = Engine(gpu, max_batch=2, max_len=128, record=BOTH)
+        if compiled:
+            compile_layers(engine)
         assert engine.graphs is not None
         reqs = engine.generate([[7, 3, 9, 4, 5, 6, 11, 2, 8], list(range(40, 70))],
                                [SamplingParams(max_new_tokens=40, ignore_eos=True, seed=i) for i in range(2)])
@@ -236,7 +236,7 @@ def test_gpu_engine_records_under_cuda_graphs_and_compiled_layers(model, compile
             same_x = ((picked & picks_mask(own_x[:n], n)).sum() / picked.sum()).item()
             assert same_e > 0.9 and same_x > 0.85, (compiled, same_e, same_x)
     sample = (ids, len(r.input_ids), r.output_logprobs, r.recorded)
-    lp, counts = scores(gpu, sample, BOTH)  # Block.forward compiled
+    lp, counts = scores(gpu, sample, BOTH)  # its blocks compiled (compile_layers(engine) compiled its model)
     with torch.compiler.set_stance("force_eager"):
         lp_eager, counts_eager = scores(gpu, sample, BOTH)
     assert counts == counts_eager and (lp - lp_eager).abs().max() < 0.05
