@@ -53,8 +53,31 @@ def inert_group(prompt):
     return prompt, [{"output_ids": prompt[-1:], "logprobs": [0.0]}], None
 
 
+def pack_rows(lengths, align, pad_to=1):
+    """Sample lengths -> rows of packed samples, first fit by decreasing length: a row is as long as the longest sample
+    (rounded up to pad_to), and each sample starts at a multiple of align (model_dsv4.pack_multiple). A row then costs
+    what one padded sample cost, and holds several. -> (row length, [[(sample, offset), ...] a row])"""
+    T = -(-max(lengths) // pad_to) * pad_to
+    rows, ends = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r, end in enumerate(ends) if end + lengths[i] <= T), None)
+        if r is None:
+            rows.append([])
+            ends.append(0)
+            r = len(rows) - 1
+        rows[r].append((i, ends[r]))
+        ends[r] = -(-(ends[r] + lengths[i]) // align) * align
+    return T, rows
+
+
+def n_rows(groups, pack=0, pad_to=1):
+    """How many rows make_microbatches lays these groups' samples out in: one a sample, or fewer packed."""
+    lengths = [len(p) + len(s["output_ids"]) for p, ss, _ in groups for s in ss]
+    return len(pack_rows(lengths, pack, pad_to)[1]) if pack else len(lengths)
+
+
 def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", device="cpu", pad_to=1, replay=None,
-                      args=None):
+                      args=None, pack=0):
     """groups: [(prompt ids, [samples], [advantages])] -> n_micro right-padded micro-batches holding what the last
     stage's loss needs, per position t (logits at t score token t+1): response mask, advantage, rollout logprob,
     and the loss weight: 1 / (response length * norm) for the per-sample token mean (norm = samples, all DP
@@ -63,29 +86,39 @@ def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", dev
     replay: replay.columns of this stage: the engine's ids to replay, int32 [B, T, this stage's layers, k] under the
     field's name, row t for the token at t; -1 where the engine sent none (the last token, padding): the trainer's
     router picks there, its indexer none. args: the ModelArgs they are checked against. A group whose advantages are
-    None (inert_group) adds rows with no mask, weight or replayed ids."""
+    None (inert_group) adds rows with no mask, weight or replayed ids.
+    pack: 0, a sample a row; else samples packed into rows (pack_rows, starting at multiples of pack) with "seg"
+    [B, T], each token's sample in its row (-1: padding), which the model reads to keep the samples apart."""
     samples = [(prompt, s, a) for prompt, ss, advs in groups for s, a in zip(ss, advs or [None] * len(ss))]
+    lengths = [len(p) + len(s["output_ids"]) for p, s, _ in samples]
+    T, rows = pack_rows(lengths, pack, pad_to) if pack else (None, [[(j, 0)] for j in range(len(samples))])
     out = []
-    for chunk in [samples[i::n_micro] for i in range(n_micro)]:
-        T = -(-max(len(p) + len(s["output_ids"]) for p, s, _ in chunk) // pad_to) * pad_to
-        mb = {k: torch.zeros(len(chunk), T, dtype=d) for k, d in (("input_ids", torch.long), ("tgt", torch.long),
+    for chunk in [rows[i::n_micro] for i in range(n_micro)]:
+        L = T or -(-max(lengths[j] for (j, _), in chunk) // pad_to) * pad_to
+        mb = {k: torch.zeros(len(chunk), L, dtype=d) for k, d in (("input_ids", torch.long), ("tgt", torch.long),
               ("mask", torch.bool), ("adv", torch.float32), ("rollout_lp", torch.float32), ("weight", torch.float32),
               ("first", torch.bool))}
+        if pack:
+            mb["seg"] = torch.full((len(chunk), L), -1, dtype=torch.long)
         for name, (cols, shape) in (replay or {}).items():
-            mb[name] = torch.full((len(chunk), T, len(cols), shape[1]), -1, dtype=torch.int32)
-        for b, (p, s, a) in enumerate(chunk):
-            ids, P, R = p + s["output_ids"], len(p), len(s["output_ids"])
-            mb["input_ids"][b, :len(ids)] = torch.tensor(ids)
-            mb["tgt"][b, :len(ids) - 1] = torch.tensor(ids[1:])
-            if a is None:  # inert: tokens to run, nothing to learn
-                continue
-            sl = slice(P - 1, P - 1 + R)
-            mb["mask"][b, sl], mb["adv"][b, sl] = True, a
-            mb["rollout_lp"][b, sl] = torch.tensor(s["logprobs"], dtype=torch.float32)
-            mb["weight"][b, sl] = 1.0 / norm if loss_agg == "token_mean" else 1.0 / (R * norm)
-            mb["first"][b, P - 1] = True
-            for name, (cols, shape) in (replay or {}).items():
-                mb[name][b, :len(ids) - 1] = replay_ids.sample_ids(s, name, len(ids) - 1, shape, args)[:, cols]
+            mb[name] = torch.full((len(chunk), L, len(cols), shape[1]), -1, dtype=torch.int32)
+        for b, row in enumerate(chunk):
+            for k, (j, o) in enumerate(row):  # sample j at offset o of row b
+                (p, s, a), n = samples[j], lengths[j]
+                ids, P, R = p + s["output_ids"], len(p), len(s["output_ids"])
+                mb["input_ids"][b, o:o + n] = torch.tensor(ids)
+                mb["tgt"][b, o:o + n - 1] = torch.tensor(ids[1:])  # a sample's last token scores nothing
+                if pack:
+                    mb["seg"][b, o:o + n] = k
+                if a is None:  # inert: tokens to run, nothing to learn
+                    continue
+                sl = slice(o + P - 1, o + P - 1 + R)
+                mb["mask"][b, sl], mb["adv"][b, sl] = True, a
+                mb["rollout_lp"][b, sl] = torch.tensor(s["logprobs"], dtype=torch.float32)
+                mb["weight"][b, sl] = 1.0 / norm if loss_agg == "token_mean" else 1.0 / (R * norm)
+                mb["first"][b, o + P - 1] = True
+                for name, (cols, shape) in (replay or {}).items():
+                    mb[name][b, o:o + n - 1] = replay_ids.sample_ids(s, name, n - 1, shape, args)[:, cols]
         out.append({k: v.to(device) for k, v in mb.items()})
     return out
 

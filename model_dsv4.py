@@ -177,6 +177,12 @@ class ModelArgs:
 
 
 
+def pack_multiple(args):
+    """Where a packed sample may start: a multiple of every compress ratio (the indexer's 4 among them), so that no
+    compressor's window straddles two samples. 1 without compressed layers."""
+    return math.lcm(1, *[r for r in args.compress_ratios[:args.num_hidden_layers] if r])
+
+
 def length_multiple(args):
     """Compiled layers specialise on a length's remainder by each compress ratio (the pooling) and by the window (the
     fast attention's query blocks); a length padded to a multiple of all of them runs the same graph of each kind of
@@ -223,12 +229,13 @@ def rope_cos_sin(args, ratio, pos):
     else:
         items = tuple(sorted((args.rope_scaling or {}).items()))
         inv = inv_freq(args.qk_rope_head_dim, float(args.compress_rope_theta), items, pos.device)
-    # decode's [B, 1] positions: a few numbers, which torch.compile folds into the kernels that rotate by them
+    # decode's [B, 1] positions: a few numbers, which torch.compile folds into the kernels that rotate by them (and
+    # packed samples' [B, T])
     return angles(pos, inv) if pos.dim() > 1 else rope_angles(pos, inv)
 
 
 def angles(pos, inv):
-    ang = pos.float()[:, None] * inv[None, :]
+    ang = pos.float()[..., None] * inv  # [T] or [B, T] -> [..., rd/2]
     return ang.cos(), ang.sin()
 
 
@@ -246,6 +253,15 @@ PathInvariant.DECOMPOSE[torch.ops.nano_dsv4.rope_angles.default] = angles  # its
 def _(pos, inv):
     shape = torch.broadcast_shapes((pos.shape[0], 1, *pos.shape[1:]), (1, inv.shape[0]))
     return pos.new_empty(shape, dtype=torch.float32), pos.new_empty(shape, dtype=torch.float32)
+
+
+def sample_positions(seg):
+    """seg [B, T]: the sample each token of a packed row belongs to (grpo.make_microbatches' "seg"; -1: padding) ->
+    each token's position within its sample [B, T]: RoPE and the compressors count from a sample's first token."""
+    t = torch.arange(seg.shape[1], device=seg.device)
+    opens = torch.ones_like(seg, dtype=torch.bool)
+    opens[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    return t - torch.where(opens, t, 0).cummax(-1).values
 
 
 def apply_rope(x, cos, sin):
@@ -279,9 +295,10 @@ class Compressor(nn.Module):
         """Per-token kv and gate scores in fp32: [B, T, coff*d] each (the reference computes them in fp32)."""
         return linear_f32(x, self.wkv.weight), linear_f32(x, self.wgate.weight)
 
-    def pool(self, kv, score, prev_kv=None, prev_score=None):
+    def pool(self, kv, score, prev_kv=None, prev_score=None, opens=None):
         """kv, score: [B, W, ratio, coff*d] for W complete windows (ape not yet added).
-        prev_*: [B, ratio, d] first-half channels of the window before the first one (overlap only).
+        prev_*: [B, ratio, d] first-half channels of the window before the first one (overlap only). opens: bool
+        [B, W], the windows that open a packed sample, which have no window before them either.
         Returns the pooled, fp32 entries [B, W, d]."""
         d, m = self.head_dim, self.ratio
         score = score + self.ape
@@ -292,12 +309,15 @@ class Compressor(nn.Module):
                 prev_score = score.new_full((B, m, d), float("-inf"))
             prev_kv = torch.cat([prev_kv[:, None], kv[:, :-1, :, :d]], dim=1)
             prev_score = torch.cat([prev_score[:, None], score[:, :-1, :, :d]], dim=1)
+            if opens is not None:  # a packed sample's first window: nothing before it, as at position 0
+                prev_kv = prev_kv.masked_fill(opens[..., None, None], 0.0)
+                prev_score = prev_score.masked_fill(opens[..., None, None], float("-inf"))
             kv = torch.cat([prev_kv, kv[..., d:]], dim=2)  # [B, W, 2m, d]
             score = torch.cat([prev_score, score[..., d:]], dim=2)
         return (kv * score.softmax(dim=2)).sum(dim=2)  # softmax over slots, independently per channel
 
     def finish(self, entries, args, pos):
-        """Norm in the model dtype, then RoPE at the window's first token position w*ratio."""
+        """Norm in the model dtype, then RoPE at the window's first token position pos (w*ratio; [B, W] packed)."""
         entries = self.norm(entries.to(self.wkv.weight.dtype))
         cos, sin = rope_cos_sin(args, self.ratio, pos)
         entries = apply_rope(entries, cos, sin)
@@ -305,16 +325,21 @@ class Compressor(nn.Module):
             entries = index_quant_sim(entries) if self.rotate else kv_quant_sim(entries, args.qk_rope_head_dim)
         return entries
 
-    def forward(self, x, args):
-        # x: [B, T, D] -> [B, T // ratio, d]; a trailing partial window emits nothing
+    def forward(self, x, args, pos=None):
+        # x: [B, T, D] -> [B, T // ratio, d]; a trailing partial window emits nothing. pos: [B, T] positions within
+        # packed samples (sample_positions), each sample starting at a multiple of the ratio, or None (one a row)
         B, T, _ = x.shape
         W = T // self.ratio
         if W == 0:
             return x.new_zeros(B, 0, self.head_dim)
         kv, score = self.project(x[:, :W * self.ratio])
         view = lambda t: t.view(B, W, self.ratio, t.shape[-1])
-        pos = torch.arange(W, device=x.device) * self.ratio
-        return self.finish(self.pool(view(kv), view(score)), args, pos)
+        if pos is None:
+            starts, opens = torch.arange(W, device=x.device) * self.ratio, None
+        else:
+            starts = pos[:, :W * self.ratio:self.ratio]  # [B, W]
+            opens = starts == 0
+        return self.finish(self.pool(view(kv), view(score), opens=opens), args, starts)
 
 
 class Indexer(nn.Module):
@@ -331,7 +356,7 @@ class Indexer(nn.Module):
     def scores(self, x, qr, k, cos, sin, w=None):
         # x: [B, T, D], qr: [B, T, q_lora], k: [B, S, hd] -> [B, T, S] fp32; w: weights_proj(x) if computed already
         B, T, _ = x.shape
-        q = apply_rope(self.wq_b(qr).view(B, T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
+        q = apply_rope(self.wq_b(qr).view(B, T, self.n_heads, self.head_dim), cos.unsqueeze(-2), sin.unsqueeze(-2))
         q = index_quant_sim(q) if self.wq_b.fp8_emu else q  # k was rotated and rounded by the compressor
         w = F.linear(x, self.weights_proj.weight) if w is None else w
         w = w.float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
@@ -340,15 +365,16 @@ class Indexer(nn.Module):
             return (s * w[..., None]).sum(2)
         return torch.einsum("bths,bth->bts", s, w)  # eager: a batched GEMV
 
-    def forward(self, x, qr, args, visible, replay=None):
-        # visible: [T, S] causal visibility of compressed entries -> bool [B, T, S] selected entries. replay
-        # [B, T, index_topk] (replay.py): the entries the engine's indexer picked (-1: none), taken instead of these
-        # scores' picks, which are then not computed (they give the LM loss no gradient either way)
+    def forward(self, x, qr, args, visible, replay=None, pos=None):
+        # visible: [T, S] (or [B, T, S] packed) causal visibility of compressed entries -> bool [B, T, S] selected
+        # entries. replay [B, T, index_topk] (replay.py): the entries the engine's indexer picked (-1: none), taken
+        # instead of these scores' picks, which are then not computed (they give the LM loss no gradient either way).
+        # pos: positions within packed samples (Attention.forward), or None
         if replay is not None:
             return picks_mask(replay, visible.shape[-1]) & visible  # a replayed pick never reaches the future
         B, T, _ = x.shape
-        k = self.compressor(x, args)
-        cos, sin = rope_cos_sin(args, 4, torch.arange(T, device=x.device))
+        k = self.compressor(x, args, pos)
+        cos, sin = rope_cos_sin(args, 4, torch.arange(T, device=x.device) if pos is None else pos)
         score = self.scores(x, qr, k, cos, sin).masked_fill(~visible, float("-inf"))
         return top_k_mask(score, self.topk) & visible  # picks that landed on invisible entries mean "no entry"
 
@@ -434,7 +460,7 @@ class Attention(nn.Module):
         if self.fast_decode and T == 1 and has_triton(q) and not torch.is_grad_enabled():  # decode: a Triton kernel
             return q_norm_rope_triton(q, cos, sin, self.args.rms_norm_eps), qr
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.args.rms_norm_eps).to(q.dtype)
-        return apply_rope(q, cos[:, None], sin[:, None]), qr
+        return apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)), qr
 
     def window_kv(self, x, cos, sin, kv=None):
         # x: [B, T, D] -> [B, T, d], one head shared by all query heads, used as both key and value
@@ -445,30 +471,38 @@ class Attention(nn.Module):
         # o: [B, T, H, d]; undo RoPE on the value's rope slice at the query position (rotated=False: done already),
         # then grouped wo_a, wo_b
         B, T = o.shape[:2]
-        o = apply_rope(o, cos[:, None], -sin[:, None]) if rotated else o
+        o = apply_rope(o, cos.unsqueeze(-2), -sin.unsqueeze(-2)) if rotated else o
         g = self.args.o_groups
         wo_a = self.wo_a.weight.view(g, self.args.o_lora_rank, -1)  # [g, o_rank, H*d/g]
         u = torch.einsum("btgi,goi->btgo", o.reshape(B, T, g, -1), wo_a)
         return self.wo_b(u.flatten(2))
 
-    def forward(self, x, index=None, picked=False):
+    def forward(self, x, index=None, picked=False, seg=None):
         # x: [B, T, D] -> [B, T, D]; index: the indexer's replayed picks (Indexer.forward's replay). picked: also return
-        # the compressed entries each query read, bool [B or 1, T, S] (None if none): the engine records a CSA layer's
+        # the compressed entries each query read, bool [B or 1, T, S] (None if none): the engine records a CSA layer's.
+        # seg [B, T]: packed samples (grpo.make_microbatches), each starting at a multiple of every compress ratio; a
+        # token sees only its own sample's keys and entries, at positions counted from the sample's start
         B, T, _ = x.shape
-        pos = torch.arange(T, device=x.device)
+        idx = torch.arange(T, device=x.device)
+        pos = idx if seg is None else sample_positions(seg)  # [T] or [B, T]
         cos, sin = rope_cos_sin(self.args, self.ratio, pos)
         q, qr = self.query(x, cos, sin)
         kv, ckv, cmask = self.window_kv(x, cos, sin), None, None
         if self.ratio:
-            ckv = self.compressor(x, self.args)  # [B, S, d]
+            ckv = self.compressor(x, self.args, None if seg is None else pos)  # [B, S, d]
             S = ckv.shape[1]
             # entry s covers tokens up to s*ratio + ratio - 1, so query t sees s < (t + 1) // ratio
-            visible = torch.arange(S, device=x.device)[None, :] < ((pos + 1) // self.ratio)[:, None]  # [T, S]
-            cmask = self.indexer(x, qr, self.args, visible, index) if self.indexer is not None else visible[None]
+            visible = torch.arange(S, device=x.device)[None, :] < ((idx + 1) // self.ratio)[:, None]  # [T, S]
+            if seg is not None:  # and only its own sample's entries: [B, T, S]
+                visible = visible & (seg[:, :, None] == seg[:, None, :S * self.ratio:self.ratio])
+            cmask = (self.indexer(x, qr, self.args, visible, index, None if seg is None else pos)
+                     if self.indexer is not None else visible if seg is not None else visible[None])
         if self.fast:  # dsv4_kernels/fast.py: the same softmax by blocks of `sliding_window` queries
-            o = window_attention(q, kv, ckv, cmask, self.attn_sink, self.softmax_scale, self.args.sliding_window)
-        else:  # window: key j visible from query t iff t - window < j <= t
-            mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.args.sliding_window))[None]
+            o = window_attention(q, kv, ckv, cmask, self.attn_sink, self.softmax_scale, self.args.sliding_window, seg)
+        else:  # window: key j visible from query t iff t - window < j <= t (and in t's own sample)
+            mask = ((idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - self.args.sliding_window))[None]
+            if seg is not None:
+                mask = mask & (seg[:, :, None] == seg[:, None, :])
             if self.ratio:
                 kv = torch.cat([kv, ckv], dim=1)
                 mask = torch.cat([mask.expand(cmask.shape[0], -1, -1), cmask], dim=-1)
@@ -522,12 +556,12 @@ class Block(nn.Module):
             return y.to(x.dtype)
         return (y + torch.matmul(comb.transpose(-1, -2), x.float())).to(x.dtype)
 
-    def forward(self, x, ids, experts=None, index=None, stats=None):
+    def forward(self, x, ids, experts=None, index=None, stats=None, seg=None):
         # x: [B, T, n, D], ids: [B, T] (hash routing reads the input token ids) -> [B, T, n, D]. The rollout engine's
         # picks to replay (Transformer.replay_kwargs): experts [B, T, K] for the router (and stats: Gate.forward's),
-        # index [B, T, index_topk] for a CSA layer's indexer
+        # index [B, T, index_topk] for a CSA layer's indexer. seg: packed samples (Attention.forward)
         h, post, comb = self.hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm)
-        x = self.hc_post(self.attn(h, index), x, post, comb)
+        x = self.hc_post(self.attn(h, index, seg=seg), x, post, comb)
         h, post, comb = self.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm)
         return self.hc_post(self.ffn(h, ids, experts, stats), x, post, comb)
 
@@ -695,15 +729,16 @@ class Transformer(nn.Module):
                 out[-1]["index"], c = index[:, :, c], c + 1
         return out
 
-    def forward(self, input_ids, mtp=False, replay=None, stats=None):
+    def forward(self, input_ids, mtp=False, replay=None, stats=None, seg=None):
         """input_ids [B, T] -> fp32 logits [B, T, vocab]. With mtp=True also the MTP logits
         [B, T-1, vocab], where position t predicts token t+2. replay, stats: replay_kwargs' (the MTP layer routes
-        itself: the engine reports the trunk's layers only)."""
+        itself: the engine reports the trunk's layers only). seg [B, T]: several samples packed in a row
+        (Attention.forward), each as if alone."""
         self.stack_experts()
         with self.numerics():
             x = self.embed_streams(input_ids)
             for layer, kw in zip(self.layers.values(), self.replay_kwargs(replay or {}, stats)):
-                x = layer(x, input_ids, **kw)
+                x = layer(x, input_ids, seg=seg, **kw)
             logits = self.logits(x)
             if not mtp:
                 return logits

@@ -193,17 +193,19 @@ def build_stage(args: ModelArgs, grid: Grid, dtype=torch.float32, pp_layers=None
     return model
 
 
-def stage_forward(model, x, ids, recompute=False, replay=None, stats=None):
+def stage_forward(model, x, ids, recompute=False, replay=None, stats=None, seg=None):
     """x: [B, T, n, D] from the previous stage, or None on the first -> this stage's streams (the last stage's go on to
     model.head_loss). Every stage gets the token ids: hash-routed layers read them, wherever they sit. The caller enters
     model.numerics() (set_invariant's sums), so that the head and the loss are inside too. replay: the micro-batch's
-    replayed ids, this stage's layers (Transformer.replay_kwargs), and stats its routers' counts."""
+    replayed ids, this stage's layers (Transformer.replay_kwargs), and stats its routers' counts. seg: its packed samples
+    (grpo.make_microbatches' "seg", Attention.forward), or None."""
     model.stack_experts()
     if x is None:
         x = model.embed_streams(ids)
     rerun = lambda: (nullcontext(), model.numerics())  # a recomputed layer rounds as its forward did
     for layer, kw in zip(model.layers.values(), model.replay_kwargs(replay or {}, stats)):
         # recompute: keep only each layer's input, rerun the layer in backward (same routing: deterministic)
+        kw["seg"] = seg
         x = checkpoint(layer, x, ids, use_reentrant=False, context_fn=rerun, **kw) if recompute else layer(x, ids, **kw)
     return x
 
@@ -281,7 +283,7 @@ def send_bwd_recv_fwd(grid, g, shape, dtype):
 def _forward(model, grid, x, mb, loss_fn, recompute, metrics):
     stats = []
     with model.numerics():
-        out = stage_forward(model, x, mb["input_ids"], recompute, replayed(mb), stats)
+        out = stage_forward(model, x, mb["input_ids"], recompute, replayed(mb), stats, mb.get("seg"))
         if stats:  # routing replay: (rows whose expert set the router would pick otherwise, rows), summed on the device
             metrics["routing"] = metrics.get("routing", 0) + torch.stack(stats).sum(0)
         if not grid.is_last_stage:
@@ -353,7 +355,7 @@ def forward_only(model, grid, microbatches, fn):
     for mb in microbatches:
         x = recv_fwd(grid, (*mb["input_ids"].shape, model.args.hc_mult, model.args.hidden_size), model.dtype)
         with model.numerics():
-            y = stage_forward(model, x, mb["input_ids"], replay=replayed(mb))
+            y = stage_forward(model, x, mb["input_ids"], replay=replayed(mb), seg=mb.get("seg"))
             if grid.is_last_stage:
                 out.append(model.head_loss(y, mb, fn))
         send_fwd(grid, y)

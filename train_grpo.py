@@ -47,7 +47,7 @@ import grpo
 from grpo import deal, group_advantages, inert_group, keep_group, make_microbatches
 from checkpoint import load_weights
 from kernel_check import choose as choose_kernels
-from model_dsv4 import ModelArgs, length_multiple
+from model_dsv4 import ModelArgs, length_multiple, pack_multiple
 from optimizer import AdamW, lr_at
 from rollout import EmbeddedServer, RolloutClient
 from tasks import load_tokenizer, math_problems, prompt_ids, toy_problems
@@ -75,6 +75,7 @@ pp_size, ep_size = 1, 1
 pp_layers = ''  # e.g. '11,11,11,10'; '' = balanced
 n_microbatches = 1  # per DP rank; the default trains its batch at once (fewer, bigger ops); PP wants several
 recompute, optimizer_offload = False, False
+pack_samples = True  # several samples a row, kept apart (grpo.pack_rows): fewer padded tokens than a sample a row
 dist_timeout = 600  # seconds before a stuck collective fails (every process group; weight-sync calls too)
 watchdog_s = 0  # > 0: a step running longer prints every thread's stack on each rank and exits 124 (faults.py)
 max_consecutive_skips = 3  # steps skipped in a row (non-finite loss or gradient, rollouts failed) that stop the run
@@ -214,6 +215,7 @@ if cache := compile_policy.use_compile(compile, compile_cache):
     compile_policy.compile_model(model)  # its blocks, head and head + loss: the loss below is traced into it
     print0(f"compile cache: {cache}")
 pad_to = length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths
+pack = pack_multiple(args) if pack_samples else 0  # where a packed sample may start (a multiple of every ratio)
 replayed = replay.columns(args, model.layers, replay.fields(routing_replay, indexer_replay))  # the servers' ids we replay
 for name, p in model.named_parameters():  # MTP is not trained here; the router optionally frozen
     p.requires_grad_(not name.startswith('mtp.') and not (freeze_router and name.endswith('gate.weight'))
@@ -456,12 +458,12 @@ for step in range(start_step, max_steps):
         samples = [s for part in parts for _, ss, _ in part for s in ss]
         norm_local = sum(len(s['output_ids']) for s in samples) if loss_agg == 'token_mean' else len(samples)
         norm = float(parallel.all_reduce(torch.tensor(float(norm_local), device=grid.device), grid.dp_group, 'loss norm'))
-        # as many micro-batches on every DP rank (expert-parallel peers run each one together): the fewest samples
-        fewest = parallel.all_reduce(torch.tensor([float(len(part) * n_samples) for part in parts], device=grid.device),
-                                     grid.dp_group, 'fewest samples', op=dist.ReduceOp.MIN).tolist()
-        minis = [make_microbatches(part or [inert_group(encode(problems[0]))], int(min(n_microbatches, max(few, 1))),
-                                   norm / n_minibatches, loss_agg, grid.device, pad_to, replayed, args)
-                 for part, few in zip(parts, fewest)]
+        parts = [part or [inert_group(encode(problems[0]))] for part in parts]  # a rank short of groups runs one
+        # as many micro-batches on every DP rank (expert-parallel peers run each one together): the fewest rows
+        rows = torch.tensor([float(grpo.n_rows(part, pack, pad_to)) for part in parts], device=grid.device)
+        fewest = parallel.all_reduce(rows, grid.dp_group, 'fewest rows', op=dist.ReduceOp.MIN).tolist()
+        minis = [make_microbatches(part, int(min(n_microbatches, few)), norm / n_minibatches, loss_agg, grid.device,
+                                   pad_to, replayed, args, pack) for part, few in zip(parts, fewest)]
         for mbs in minis if n_minibatches > 1 else []:  # the old policy's logprobs, before any of this rollout's updates
             for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, grpo.token_logprobs)):
                 mb['old_lp'] = lp

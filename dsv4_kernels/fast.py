@@ -292,11 +292,11 @@ def grouped_experts(experts, xs, ws, counts, limit, stacked=None, shared=None, d
     return ys if shared is None else (ys, None)
 
 
-def window_attention(q, kv, ckv, cmask, sink, scale, window):
+def window_attention(q, kv, ckv, cmask, sink, scale, window, seg=None):
     """The softmax of model_dsv4.sink_attention over window keys (t - window < j <= t) plus compressed keys,
     by blocks: the queries of block i only see window keys in blocks i-1 and i.
     q [B, T, H, d], kv [B, T, d] window keys (= values), ckv [B, S, d] or None, cmask bool [B or 1, T, S] ->
-    [B, T, H, d]"""
+    [B, T, H, d]. seg [B, T] or None: packed samples, a window key seen only from its own sample's queries."""
     B, T, H, d = q.shape
     w, dt = window, kv.dtype
     nb = -(-T // w)
@@ -309,6 +309,12 @@ def window_attention(q, kv, ckv, cmask, sink, scale, window):
     t = torch.arange(nb * w, device=q.device).view(nb, w, 1)  # query position
     j = (t - t % w - w) + torch.arange(2 * w, device=q.device)  # key position: blocks i-1 and i
     band = ((j <= t) & (j > t - w) & (j >= 0)).view(1, nb, w, 1, 2 * w)
+    if seg is not None:  # the keys' samples laid out as the keys are: -2 in the front block, -3 past the end
+        ks = F.pad(seg, (w, 0), value=-2)
+        ks = F.pad(ks, (0, pad), value=-3)
+        kseg = torch.cat([ks[:, :-w].reshape(B, nb, w), ks[:, w:].reshape(B, nb, w)], dim=2)  # [B, nb, 2w]
+        qseg = F.pad(seg, (0, pad), value=-4).view(B, nb, w)
+        band = band & (qseg[..., None] == kseg[:, :, None, :]).view(B, nb, w, 1, 2 * w)
     logits = logits.view(B, nb, w, H, 2 * w).masked_fill(~band, float("-inf")).view(B * nb, w, H, 2 * w)
     parts = [logits]
     if ckv is not None and ckv.shape[1]:
