@@ -29,10 +29,12 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -90,6 +92,30 @@ def stream(tok):
     return [dict(problem=q, ids=prompt_ids(tok, q["prompt"])) for q in take]
 
 
+class GpuBusy:
+    """nvidia-smi's utilization.gpu every 200 ms (the share of its last sample period in which a kernel ran on the GPU),
+    each reading stamped as it arrives: mean(t0, t1) is the GPU's busy share over that window. None without a GPU."""
+
+    def __init__(self):
+        self.readings, self.proc = [], None
+        if torch.cuda.is_available() and shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                          "-lms", "200", "-i", "0"], stdout=subprocess.PIPE, text=True)
+            threading.Thread(target=self.read, daemon=True).start()
+
+    def read(self):
+        for line in self.proc.stdout:
+            if line.strip().isdigit():
+                self.readings.append((time.time(), int(line)))
+
+    def mean(self, t0, t1):
+        if self.proc is None:
+            return None
+        self.proc.kill()
+        window = [u for t, u in self.readings if t0 <= t <= t1]
+        return round(statistics.mean(window), 1) if window else None
+
+
 def device_name():
     return torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)"
 
@@ -108,13 +134,13 @@ def run_ours(model_dir):
            "--recompute=True", f"--seed={cli.seed}", f"--n_rl={N_RL}", f"--rollout_max_batch={cli.n_prompts * cli.n_samples}"]
     if not torch.cuda.is_available():
         cmd += ["--weight_sync=disk"]  # CUDA IPC needs a GPU
-    t0, first = time.time(), None
+    t0, ends, busy = time.time(), [], GpuBusy()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
             print("  ours |", line, end="", flush=True)
-            if first is None and line.startswith("step 00000/"):  # the step line, not its rollout's progress
-                first = time.time() - t0
+            if line.startswith("step ") and "| reward" in line:  # a step's line, not its rollout's progress
+                ends.append(time.time())
     except (KeyboardInterrupt, SystemExit):  # stopped (a timeout's SIGTERM): keep the steps that ran
         print("  ours | stopped: the steps so far are kept", flush=True)
     finally:  # the trainer goes too, without its preemption checkpoint (its embedded server follows it)
@@ -127,7 +153,9 @@ def run_ours(model_dir):
              for r in rows if "t_rollout" in r]
     if not steps:
         raise SystemExit(f"train_grpo.py exited with {proc.returncode} before its first step")
-    return dict(first_step_s=first, steps=steps, peer=f"train_grpo.py, compile {cli.compile}")
+    first = ends[0] - t0 if ends else None  # the steady state: from the end of the first step to the last's
+    return dict(first_step_s=first, steps=steps, peer=f"train_grpo.py, compile {cli.compile}",
+                gpu_busy=busy.mean(ends[0], ends[-1]) if len(ends) > 1 else None)
 
 
 def run_trl(model_dir, prompts, tok):
@@ -174,7 +202,7 @@ def run_trl(model_dir, prompts, tok):
         gen["samples"] += len(out[0])
         return out
     trainer._generate_single_turn = timed_generate
-    t_launch = time.time()
+    t_launch, ends, busy = time.time(), [], GpuBusy()
 
     class Timer(transformers.TrainerCallback):
         def on_step_begin(self, *a, **kw):
@@ -186,6 +214,7 @@ def run_trl(model_dir, prompts, tok):
             total = time.time() - gen["t0"]
             steps.append(dict(rollout=gen["t"], train=total - gen["t"], sync=0.0, tokens=gen["tokens"],
                               samples=gen["samples"]))
+            ends.append(time.time())
             if len(steps) == 1:
                 steps[0]["since_launch"] = time.time() - t_launch
             save(dict(first_step_s=None, steps=steps, peer=peer))  # a timeout later keeps the steps so far
@@ -195,7 +224,8 @@ def run_trl(model_dir, prompts, tok):
     trainer.add_callback(Timer())
     trainer.train()
     mem = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else ""
-    return dict(first_step_s=None, steps=steps, peer=peer + mem)
+    return dict(first_step_s=None, steps=steps, peer=peer + mem,
+                gpu_busy=busy.mean(ends[0], ends[-1]) if len(ends) > 1 else None)
 
 
 def save(res):
@@ -224,6 +254,9 @@ def report():
         print(f"{s:4s} | {r['peer']} | {r['device']} | {len(r['steps'])} steps of {r['setup']}")
         print(f"     | a step {m['total']:.2f} s (rollout {m['rollout']:.2f} + train {m['train']:.2f} + sync "
               f"{m['sync']:.2f}) | {m['samples_s']:.2f} samples/s | {m['tokens_s']:.0f} generated tokens/s")
+        first = f"{r['first_step_s']:.0f} s" if r.get("first_step_s") else "-"
+        busy = f"{r['gpu_busy']:.0f} %" if r.get("gpu_busy") is not None else "-"
+        print(f"     | first step's line {first} after launch | GPU busy {busy} after the first step")
     if len(sums) == 2:
         o, t = sums["ours"], sums["trl"]
         print(f"ours / TRL: whole steps {t['total'] / o['total']:.2f}x, rollout {t['rollout'] / o['rollout']:.2f}x, "
