@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import quant
 from compare_logprobs import (compare, first_divergence, inject_untransposed_comb, prepare, sample, trace_engine,
                               trace_forward, trainer_logprobs)
-import parallel_run
+from helpers import parallel_run
 from conftest import SMALL, TINY, randomize_
 from model_dsv4 import Transformer, apply_rope, rope_cos_sin
 from quant import fake_quant_fp4, fake_quant_fp8, hadamard

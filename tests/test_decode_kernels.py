@@ -22,7 +22,7 @@ import model_dsv4
 from conftest import TINY, randomize_
 from model_dsv4 import Attention, Compressor, Transformer, rope_cos_sin
 from moe import Expert
-from test_triton import FOUR
+from test_mhc_kernels import FOUR
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
 

@@ -2,7 +2,7 @@
 import pytest
 
 from grpo import deal
-from grpo_base import make_math_base, run, weights
+from helpers.grpo_base import make_math_base, run, weights
 
 
 def test_deal_keeps_minibatches_whole_and_shares_even():

@@ -1,6 +1,6 @@
-"""Faults injected into the real trainer (tests/fault_run.py): preemption and resume, a rank killed mid-step, a
-hung step, NaN losses, the rollout server killed mid-generation and mid-sync. A run that recovers must end where
-the uninterrupted run ends: the same rewards, losses and weights (no data lost)."""
+"""Faults injected into the real trainer (tests/helpers/fault_run.py): preemption and resume, a rank killed
+mid-step, a hung step, NaN losses, the rollout server killed mid-generation and mid-sync. A run that recovers must
+end where the uninterrupted run ends: the same rewards, losses and weights (no data lost)."""
 import json
 import os
 import re
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from checkpoint import load_state_dict
-from grpo_base import ARGS as SPREAD_ARGS, assert_policy_gradient, base_checkpoint
+from helpers.grpo_base import ARGS as SPREAD_ARGS, assert_policy_gradient, base_checkpoint
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+FAULT_RUN = os.path.join(ROOT, "tests", "helpers", "fault_run.py")
 BASE = ["--init_from=scratch", "--model_config=config/models/tiny.json", "--data=toy", "--eval_data=toy",
         "--n_prompts=4", "--n_samples=4", "--max_new_tokens=8", "--overlong_buffer=7",
         "--eval_interval=0", "--n_microbatches=2", "--dynamic_sampling=False", "--lr=3e-3", "--max_steps=2"]
@@ -25,7 +26,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 def train(out, fault, *args, timeout=240):
     """One process of train_grpo.py with the fault -> (exit code, stdout + stderr, seconds)."""
     t0 = time.time()
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fault_run.py"), fault, f"--out_dir={out}", *BASE,
+    p = subprocess.run([sys.executable, FAULT_RUN, fault, f"--out_dir={out}", *BASE,
                         *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
     return p.returncode, p.stdout + p.stderr, time.time() - t0
 
@@ -131,7 +132,7 @@ def launch(out, fault, n, *args):
     for rank in range(n):
         env = dict(ENV, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "fault_run.py"), fault,
+        procs.append(subprocess.Popen([sys.executable, FAULT_RUN, fault,
                                        f"--out_dir={out}", *BASE, *args], cwd=ROOT, env=env, stdout=logs[rank],
                                       stderr=subprocess.STDOUT))
     ended = [None] * n

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grpo import group_advantages, grpo_loss, keep_group, make_microbatches
-from grpo_base import ARGS as BASE_ARGS, assert_policy_gradient, base_checkpoint, run, weights
+from helpers.grpo_base import ARGS as BASE_ARGS, assert_policy_gradient, base_checkpoint, run, weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

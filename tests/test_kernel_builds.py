@@ -1,6 +1,6 @@
 """Every Triton kernel of the project (dsv4_kernels/: mhc_triton.py, decode.py, decode_attention.py, route.py)
 compiled to machine code for the H200 and the MI355X, without a GPU. Their values are tested against their references
-in test_triton.py, test_decode_kernels.py, test_decode_attention.py and test_routing_kernels.py."""
+in test_mhc_kernels.py, test_decode_kernels.py, test_decode_attention.py and test_routing_kernels.py."""
 import os
 import subprocess
 import sys

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import parallel
-import parallel_run
+from helpers import parallel_run
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "parallel_run.py")
 PARAM_TOL = 1e-5
 
 
@@ -26,7 +26,7 @@ def launch(out_dir, pp, ep, variants, env=None, n=4, timeout=240):
     for rank in range(n):
         e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "parallel_run.py"), str(out_dir), str(pp),
+        procs.append(subprocess.Popen([sys.executable, RUNNER, str(out_dir), str(pp),
                                        str(ep), variants], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     try:

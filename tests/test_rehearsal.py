@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from grpo_base import ARGS as SPREAD_ARGS, assert_policy_gradient, base_checkpoint
+from helpers.grpo_base import ARGS as SPREAD_ARGS, assert_policy_gradient, base_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -16,7 +16,7 @@ import server
 from conftest import SMALL, randomize_
 from engine import Engine, SamplingParams
 from grpo import make_microbatches
-from grpo_base import assert_policy_gradient
+from helpers.grpo_base import assert_policy_gradient
 from model_dsv4 import Transformer, mask_picks, picks_mask
 from rollout import parse_sample
 from test_grpo import base, run, weights  # noqa: F401 (base: the fixture)

@@ -1,5 +1,5 @@
 """Weight sync (weight_sync.py) into running embedded servers (subprocesses): logprobs after a step and a sync,
-PP2 x EP2 senders of every transport (tests/sync_run.py), FP8 / FP4 serving in the official format, a server
+PP2 x EP2 senders of every transport (tests/helpers/sync_run.py), FP8 / FP4 serving in the official format, a server
 killed mid-sync. The tensor transport's own tests: test_tensor_sync.py."""
 import copy
 import glob
@@ -17,7 +17,7 @@ import weight_sync as wsync
 from conftest import randomize_, start_servers, stop
 from checkpoint import save_pretrained
 from model_dsv4 import ModelArgs, Transformer
-from parallel_run import ARGS as RUN_ARGS
+from helpers.parallel_run import ARGS as RUN_ARGS
 from quant import quant_format, quantize_tensor, quantized_meta
 from rollout import RolloutClient
 
@@ -91,8 +91,8 @@ def test_pp2_ep2_send_every_tensor_once_and_servers_equal(servers, tmp_path):
     urls = [u for _, u in servers]
     # under torchrun, as the trainer runs: its agent store must not capture the weight-update group's rendezvous
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                        "tests/sync_run.py", str(tmp_path), "2", "2", ",".join(urls)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                        "tests/helpers/sync_run.py", str(tmp_path), "2", "2", ",".join(urls)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     sent = [json.load(open(f)) for f in glob.glob(f"{tmp_path}/sent.rank*.json")]
     full = parallel.build_stage(ARGS, GRID, dtype=torch.float32, seed=7).state_dict()  # what the 4 ranks hold

@@ -2,7 +2,7 @@
 (trained in place through the parameters' views, gradients that add up, re-stacked after a cast or a load, followed
 by the engine's weight loads), and on a GPU the engine's CUDA-graph decode against its eager decode and the forward,
 and with the decode kernels' programmatic dependent launch against without.
-The kernels themselves against their references: test_kernels.py."""
+The kernels themselves against their references: test_fast_paths.py."""
 import copy
 
 import pytest

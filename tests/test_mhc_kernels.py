@@ -132,7 +132,7 @@ FOUR = replace(TINY, num_hidden_layers=4, compress_ratios=[0, 0, 4, 16, 0])  # h
 def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
     """The whole model as it trains on a GPU, the Triton kernels in (Sinkhorn, hc_post; without a GPU has_triton is
     forced on and the interpreter runs them), with the trainer's activation recompute (parallel.stage_forward): the
-    logits and every parameter's gradient against the reference model's, fp32, as test_kernels.py's whole-model test
+    logits and every parameter's gradient against the reference model's, fp32, as test_fast_paths.py's whole-model test
     (hc_mult 4 and 2). Four of TINY's layers and one sequence of 20 or 16 tokens: the interpreter takes ~15 ms a
     program, and hc_post's kernels run a program a token."""
     calls, sinks = [], []
