@@ -113,6 +113,7 @@ def raw_line(url, line):
         return int(m.group(1)) if m else None
 
 
+@pytest.mark.slow
 def test_fuzz_http_bodies_headers_and_methods(srv):
     rng, url = random.Random(0), srv.url
     cases = [body(rng) for _ in range(N_REQUESTS)]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from checkpoint import load_state_dict
+from faults import Skips
 from helpers.grpo_base import ARGS as SPREAD_ARGS, assert_policy_gradient, base_checkpoint
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -77,6 +78,7 @@ def reference(tmp_path_factory, spread):
     return metrics(out), out
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_equals_uninterrupted(reference, spread, tmp_path):
     code, log, _ = train(tmp_path, "sigterm@0", "--checkpoint_interval=0", *spread)  # only the preemption's checkpoint
     assert code == 143 and "stopped by SIGTERM after step 0" in log, log[-3000:]
@@ -91,6 +93,7 @@ def test_sigterm_checkpoints_and_resume_equals_uninterrupted(reference, spread, 
     same_run(tmp_path, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault,args,failed", [
     ("kill_server_gen@1", [], "step 1 rollout, attempt 1 failed"),
     ("kill_server_sync@0", ["--weight_sync=distributed", "--weight_sync_bucket_mb=8", "--dist_timeout=30"],
@@ -102,6 +105,7 @@ def test_rollout_server_killed_then_restarted_and_resynced(reference, spread, tm
     same_run(tmp_path, reference)  # the step redone with the same seeds
 
 
+@pytest.mark.slow
 def test_nan_loss_skips_the_step_then_stops_the_run(tmp_path):
     code, log, _ = train(tmp_path, "nan_from@1", "--checkpoint_interval=1", "--max_steps=4", "--max_consecutive_skips=2")
     assert code == 1 and "2 steps in a row skipped (the last, step 2" in log, log[-3000:]
@@ -114,6 +118,20 @@ def test_nan_loss_skips_the_step_then_stops_the_run(tmp_path):
     assert mb["input_ids"].shape[0] == 8 and "adv" in mb  # the offending micro-batch, for a post-mortem
 
 
+def test_skips_stop_the_run_after_max_in_a_row():
+    """In process: a trained step starts the count again, max_in_a_row skips in a row stop the run naming the last
+    one, and 0 never stops it."""
+    skips, never = Skips(2), Skips(0)
+    for step, reason in enumerate(["non-finite loss in micro-batch [1]", None, "rollouts failed"]):
+        skips.update(step, reason)
+    with pytest.raises(SystemExit, match=r"2 steps in a row skipped \(the last, step 3: rollouts failed\)"):
+        skips.update(3, "rollouts failed")
+    for step in range(100):
+        never.update(step, "rollouts failed")
+    assert never.in_a_row == 100
+
+
+@pytest.mark.slow
 def test_watchdog_prints_stacks_of_a_hung_step(tmp_path):
     code, log, seconds = train(tmp_path, "hang@1", "--watchdog_s=6", "--checkpoint_interval=0")
     assert code == 124 and "rank 0: watchdog: step 1 has run for over 6 s" in log, log[-3000:]
@@ -146,6 +164,7 @@ def launch(out, fault, n, *args):
     return [p.wait() for p in procs], [open(f.name).read() for f in logs], ended
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint(tmp_path):
     codes, outs, _ = launch(tmp_path, "sigterm@0:1", 2, "--checkpoint_interval=0")  # dp 2: only rank 1 is told
     assert codes == [143, 143] and "stopped by SIGTERM after step 0" in outs[0], outs
@@ -154,6 +173,7 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint(tmp_path):
         "trainer_rank00000-of-00002.pt", "trainer_rank00001-of-00002.pt"]
 
 
+@pytest.mark.slow
 def test_kill9_one_rank_mid_step_stops_every_rank(tmp_path):
     """4 ranks (pp 2 x dp 2); rank 1 is killed with SIGKILL in step 1's forward. The others must exit non-zero
     within the collective timeout, naming the group, the operation and their rank."""

@@ -12,6 +12,7 @@ pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requ
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_h200_and_mi355x():
     """Triton's interpreter runs code that its compiler refuses (an `if` whose branches give two shapes passes the
     tests on the CPU and fails to compile for the GPU). So every kernel is also compiled here, without a GPU, to

@@ -128,6 +128,7 @@ def test_hc_post_triton_under_compile():
 FOUR = replace(TINY, num_hidden_layers=4, compress_ratios=[0, 0, 4, 16, 0])  # hash, window, CSA, HCA layers and MTP
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,T", [(FOUR, 20), (SMALL, 16)], ids=["tiny-4-layers", "small"])
 def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
     """The whole model as it trains on a GPU, the Triton kernels in (Sinkhorn, hc_post; without a GPU has_triton is
@@ -191,6 +192,7 @@ def test_hc_pre_triton_equals_reference(n, D, T, dtype, norm):
         assert (a.float() - b.float()).abs().max() <= t * b.float().abs().max(), (name, (a - b).abs().max())
 
 
+@pytest.mark.slow
 def test_model_without_grad_on_hc_pre_triton_equals_reference(monkeypatch):
     """A decode-shaped forward without grad (one position, few tokens) takes hc_pre_triton for every sublayer: TINY's
     layers on 5 sequences of one token, fp32, against the same model's reference hc_pre, to 1e-5 of the largest

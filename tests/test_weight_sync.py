@@ -87,6 +87,7 @@ def test_step_then_sync_logprobs_equal(mode, flatten, servers, tmp_path):
     assert max(diffs) <= 1e-5
 
 
+@pytest.mark.slow
 def test_pp2_ep2_send_every_tensor_once_and_servers_equal(servers, tmp_path):
     urls = [u for _, u in servers]
     # under torchrun, as the trainer runs: its agent store must not capture the weight-update group's rendezvous
@@ -132,6 +133,7 @@ def test_quant_table_follows_the_spec():
     assert quantized_meta("layers.3.attn.wq_b.weight", (32768, 1024), torch.bfloat16, "fp8")[1][1:] == ((256, 8), e8m0)
 
 
+@pytest.mark.slow
 def test_quantized_serving(quant_server, tmp_path):
     (quant, url), model = quant_server, trained(step_seed=3)
     client = RolloutClient(url)
@@ -155,6 +157,7 @@ def test_quantized_serving(quant_server, tmp_path):
     assert torch.equal(torch.tensor(got[1], dtype=torch.double), 2.0 ** (s.view(torch.uint8).double() - 127))
 
 
+@pytest.mark.slow
 def test_server_killed_mid_sync(servers, ckpt, tmp_path, monkeypatch):
     (_, url_a), (proc_b, url_b) = servers
     client, model = RolloutClient([url_a, url_b]), trained(step_seed=5)
@@ -186,6 +189,7 @@ def test_server_killed_mid_sync(servers, ckpt, tmp_path, monkeypatch):
     assert client.stale == set() and logprob_diff(url_b, model, "k-3") <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["tensor"])  # train_grpo with 'distributed': test_faults.py (a server killed mid-sync)
 def test_train_grpo_syncs_into_fp8_server(mode, tmp_path):
     """The trainer's path: an fp8 embedded server, a verified sync after each step (2 steps)."""
