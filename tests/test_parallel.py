@@ -68,14 +68,32 @@ LAYOUTS = {  # (pp, ep) on 4 ranks -> the variants run there
 }
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """launched(layout) -> (out_dir, exit codes, outputs): each layout's 4 ranks started once a module, with its
+    variants and, on the dp4-ep layouts, the EP MoE check after them ("moe"). The layout test and the EP test read
+    the same launch: 4 processes importing torch on 2 cores cost seconds a launch, and the EP check's grid (pp 1, ep 2
+    or 4) is the layout's own. A failed EP check fails the layout test too (its exit code)."""
+    runs = {}
+
+    def get(layout):
+        if layout not in runs:
+            pp, ep, variants = LAYOUTS[layout]
+            out = tmp_path_factory.mktemp(layout)
+            codes, outs, _ = launch(out, pp, ep, variants + (",moe" if pp == 1 else ""))
+            runs[layout] = out, codes, outs
+        return runs[layout]
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_equals_one_process(layout, reference, tmp_path):
-    pp, ep, variants = LAYOUTS[layout]
-    codes, outs, _ = launch(tmp_path, pp, ep, variants)
+def test_layout_equals_one_process(layout, reference, launched):
+    variants = LAYOUTS[layout][2]
+    out, codes, outs = launched(layout)
     assert codes == [0] * 4, "\n".join(outs)
     ref_losses, ref_state = reference
-    runs = {v: merged(tmp_path, v) for v in variants.split(",")}
+    runs = {v: merged(out, v) for v in variants.split(",")}
     for v, (losses, state) in runs.items():
         assert set(state) == set(ref_state), f"{v}: tensors missing or extra: {set(ref_state) ^ set(state)}"
         for (loss, gnorm), (ref_loss, ref_gnorm) in zip(losses, ref_losses):
@@ -91,8 +109,8 @@ def test_layout_equals_one_process(layout, reference, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [2, 4])
-def test_ep_dispatch_combine_equals_unsharded_moe(ep, tmp_path):
-    codes, outs, _ = launch(tmp_path, 1, ep, "moe")
+def test_ep_dispatch_combine_equals_unsharded_moe(ep, launched):
+    _, codes, outs = launched(f"dp4-ep{ep}")
     assert codes == [0] * 4 and all("EP MoE equals the per-token reference" in o for o in outs), "\n".join(outs)
 
 
