@@ -40,7 +40,7 @@ tokens, pair order) must be equal. Not covered: the indexer's scores (every entr
 
 On the CPU auto checks nothing and takes the reference: the CPU figures (README) are the reference's, the Triton paths
 run only on a GPU (dsv4_kernels.has_triton), and a check would add to every start for no gain. kernels='fast' takes the
-torch paths on the CPU too (tests/test_kernels.py holds them to the reference there). A kernel that faults the device
+torch paths on the CPU too (tests/test_fast_paths.py holds them to the reference there). A kernel that faults the device
 (an illegal memory access) leaves CUDA unusable for the whole process: the check then stops the run, naming the path;
 kernels='reference', or a list without that path, gets past it.
 """

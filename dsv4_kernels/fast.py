@@ -1,5 +1,5 @@
 """
-The torch fast paths, each beside the plain reference it replaces (tests/test_kernels.py checks that the two agree,
+The torch fast paths, each beside the plain reference it replaces (tests/test_fast_paths.py checks that the two agree,
 forward and backward):
 
   - matmul_f32 / linear_f32: a GEMM with an fp32 result from bf16 operands (tensor cores, fp32 accumulation, no

@@ -1,5 +1,5 @@
 """
-mHC's Triton kernels, each beside the plain reference it replaces (tests/test_triton.py checks that the two agree,
+mHC's Triton kernels, each beside the plain reference it replaces (tests/test_mhc_kernels.py checks that the two agree,
 forward and backward; tests/test_kernel_builds.py compiles them for sm_90 and gfx950):
 
   - sinkhorn_triton: mHC's Sinkhorn loop (mhc.sinkhorn) as one kernel forward and one backward.

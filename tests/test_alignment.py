@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import quant
 from compare_logprobs import (compare, first_divergence, inject_untransposed_comb, prepare, sample, trace_engine,
                               trace_forward, trainer_logprobs)
-import parallel_run
+from helpers import parallel_run
 from conftest import SMALL, TINY, randomize_
 from model_dsv4 import Transformer, apply_rope, rope_cos_sin
 from quant import fake_quant_fp4, fake_quant_fp8, hadamard
@@ -153,6 +153,7 @@ def test_path_invariant_keeps_dtypes_and_rounds_once():
         0, torch.arange(37) % 3, a.double()).float())
 
 
+@pytest.mark.slow
 def test_path_invariant_engine_equals_trainer_on_a_sensitive_model():
     """The same with set_invariant on TINY (spec §7.1: window, CSA and HCA layers, hash routing) in bf16 with
     compare_logprobs.wide_init_ (the init bench.py's mismatch uses, whose sharp logits show every difference): bit
@@ -199,6 +200,7 @@ def test_layers_finds_injected_bug():
     assert first == f"layers.{bug_layer}.hc_post.attn", errs
 
 
+@pytest.mark.slow
 def test_trainer_scores_under_pp_ep_layout(tmp_path):
     """compare_logprobs under torchrun: the trainer as 2 pipeline stages x 2 expert shards (4 gloo ranks, parallel.py's
     stages as train_grpo.py builds them) scores the engine's samples as one process holding the whole model does."""

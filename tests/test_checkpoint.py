@@ -17,6 +17,7 @@ FP4 = r"\.experts\.\d+\.w[123]\.weight$"
 FLASH = "config/models/flash.json"
 
 
+@pytest.mark.slow
 def test_flash_config_and_size():
     args = ModelArgs.from_json(FLASH)
     assert args.compress_ratios == [0, 0] + [4, 128] * 20 + [4, 0] and args.num_hash_layers == 3
@@ -81,6 +82,7 @@ def write_official(model, path):
     return expect
 
 
+@pytest.mark.slow
 def test_official_quantized_layout_loads(tmp_path):
     model = randomize_(Transformer(copy.deepcopy(TINY), dtype=torch.float32), 16, 4)
     expect = write_official(model, tmp_path)

@@ -14,6 +14,7 @@ from model_dsv4 import Transformer
 CUDA = torch.cuda.is_available()
 
 
+@pytest.mark.slow
 def test_compile_layers_train_as_accurate_as_eager(compile_layers):
     """compile_layers, bf16: logits and the gradients of every parameter are as close to the fp32 model as eager
     bf16 is (inductor keeps some intermediates in fp32 where eager rounds, so the two bf16 runs differ by bf16
@@ -64,6 +65,7 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.slow
 def test_reference_expert_loop_runs_eagerly_in_compiled_layers(compile_layers):
     """fp32 on a GPU (and kernels off anywhere) takes MoE.loop_experts, which reads the row counts on the host:
     compiled layers call it eagerly (a graph break: inductor fails on its data-dependent slices on an H200, in
@@ -118,6 +120,7 @@ def test_compile_graphs_equal_compiled_step_after_step(compile_layers):
         assert (a - b).norm() <= 1e-3 * b.norm(), ((a - b).norm(), b.norm())
 
 
+@pytest.mark.slow
 def test_compiled_grpo_losses_equal_eager():
     """The GRPO losses compiled where they are called (grpo.grpo_loss with KL and entropy terms, grpo.token_logprobs):
     the loss, every metric and the logits' gradient as eager's, fp32, two sequence lengths (the second compiles with
@@ -156,6 +159,7 @@ def test_compiled_grpo_losses_equal_eager():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_compile_at_the_call_site_changes_only_the_model_compiled(compile_layers):
     """compile_model gives one model's blocks, head and head_loss compiled callables of their own: the classes' and
     modules' functions stay eager, so another model (or a fork's new loss) is untouched and runs eager."""

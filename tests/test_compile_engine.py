@@ -18,6 +18,7 @@ CUDA = torch.cuda.is_available()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_compiled_decode_warms_up_once_a_kind_and_is_as_close_as_eager(compile_layers):
     """The engine's compiled decode step (compile_policy.compile_engine, CPU, bf16), CSA and HCA layers. Engine.warm_up
     (rollout.py --serve --compile layers, before the ready line) prefills twice and decodes once at every batch bucket
@@ -62,6 +63,7 @@ def test_compiled_decode_warms_up_once_a_kind_and_is_as_close_as_eager(compile_l
     assert compiled <= 2 * eager + 0.01, (compiled, eager)
 
 
+@pytest.mark.slow
 def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
     """The sampler compile_engine gives an engine draws the eager sampler's tokens, and the Sinkhorn loop
     that compiled code takes without autograd (mhc.sinkhorn_entries, one tensor per entry) gives the batched
@@ -105,6 +107,7 @@ def test_compiled_sampler_and_sinkhorn_equal_eager(compile_layers):
 CPU_ONLY = pytest.mark.skipif(CUDA, reason="the refusal is for machines without a GPU")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd,expect", [
     pytest.param(["train_grpo.py", "--compile=layers"], "compile='layers' needs a GPU", marks=CPU_ONLY),
     pytest.param(["rollout.py", "--serve", "--model", ".", "--compile", "layers"], "--compile layers needs a GPU",
@@ -118,6 +121,7 @@ def test_startup_refusals(cmd, expect):
     assert p.returncode == 2 and expect in p.stderr, p.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_compiled_prefill_equals_eager_and_stops_compiling(compile_layers):
     """The engine's compiled prefill (KVCache.prefill_layer under compile_kv_cache, its prompts padded to a multiple of
     model_dsv4.length_multiple: 128 here) against the eager one: SMALL's window, CSA and HCA layers, fp32, prompts of

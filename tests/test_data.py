@@ -100,6 +100,7 @@ def train_grpo(tmp_path, *args, cwd=None):
                           cwd=cwd or tmp_path, capture_output=True, text=True, timeout=120, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key,value,says", [
     ("data", "nowhere/dapo.jsonl", "no such file"),
     ("eval_data", "data/aime2026.parquet", "no such file"),
@@ -113,6 +114,7 @@ def test_missing_data_stops_before_the_base_and_the_model(tmp_path, key, value, 
     assert not os.path.exists(tmp_path / "out")  # nothing trained, nothing written
 
 
+@pytest.mark.slow
 def test_shipped_eval_data_found_from_another_directory_and_dry_run_reads_none(tmp_path):
     """The seed config's dry run plans memory without reading its data (a hub name: no network here). The shipped
     eval_data is found from another directory: the run gets past the data to the (planted) bad init_from."""

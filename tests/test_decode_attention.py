@@ -73,6 +73,7 @@ def test_decode_attention_triton_equals_sink_attention(H, D, compressed, dtype, 
         assert (out.double() - exact).abs().max() <= 2 ** -6 * top
 
 
+@pytest.mark.slow
 def test_engine_decode_on_triton_attention_equals_reference(monkeypatch):
     """The engine's decode with the kernel (static caches, read whole and masked, as under CUDA graphs) against the
     reference path (each sequence's entries up to its own count, gathered): TINY's window, CSA and HCA layers decode

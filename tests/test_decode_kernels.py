@@ -22,7 +22,7 @@ import model_dsv4
 from conftest import TINY, randomize_
 from model_dsv4 import Attention, Compressor, Transformer, rope_cos_sin
 from moe import Expert
-from test_triton import FOUR
+from test_mhc_kernels import FOUR
 
 pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requirements.txt installs it for the CPU")
 
@@ -74,6 +74,7 @@ def test_experts_triton_equals_grouped_experts(E, D, I, tokens, limit, dtype, sh
         assert (out.double() - exact).abs().max() <= 2 ** -6 * top
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ratio,d,dtype", [(4, 40, torch.float32), (16, 24, torch.float32),
                                            (128, 24, torch.float32), (4, 64, torch.bfloat16)])
 def test_compress_step_triton_equals_compressor_step(ratio, d, dtype):
@@ -116,6 +117,7 @@ def test_compress_step_triton_equals_compressor_step(ratio, d, dtype):
         assert err <= tol * ref["comp"].float().abs().max(), (step, err)
 
 
+@pytest.mark.slow
 def test_model_without_grad_on_triton_experts_equals_reference(monkeypatch):
     """A decode step's MoE (one token a sequence, without grad) takes the experts' kernels through
     dsv4_kernels.fast.grouped_experts (with few rows an expert): four of TINY's layers on 20 sequences of 1 token
@@ -140,6 +142,7 @@ def test_model_without_grad_on_triton_experts_equals_reference(monkeypatch):
     assert (fast - ref).abs().max() <= tol * ref.abs().max(), ((fast - ref).abs().max(), ref.abs().max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [64, 300, 8192])
 def test_sample_triton_equals_sample_tokens(chunk):
     """The sampler over chunks of the vocabulary (one chunk, several, a last one partial) against engine.sample_tokens
@@ -159,6 +162,7 @@ def test_sample_triton_equals_sample_tokens(chunk):
     assert got[0, 0] == 10 and torch.equal(got[0], ref[0]) and (got[1] - ref[1]).abs().max() <= 1e-5
 
 
+@pytest.mark.slow
 def test_engine_samples_on_triton_as_on_the_reference(monkeypatch):
     """The engine takes sample_triton where the kernels are on and no request filters (top-p, top-k): TINY's requests
     greedy and sampled, then with one top-p request in the batch (the reference for the whole batch), give the tokens

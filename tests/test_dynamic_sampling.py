@@ -2,7 +2,7 @@
 import pytest
 
 from grpo import deal
-from grpo_base import make_math_base, run, weights
+from helpers.grpo_base import make_math_base, run, weights
 
 
 def test_deal_keeps_minibatches_whole_and_shares_even():
@@ -25,6 +25,7 @@ def math_base(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_trains_the_same_batch_on_any_layout(tmp_path, math_base):
     """The default job (the math task, every parameter, DAPO's dynamic sampling) for two steps from a base whose
     groups are partly flat: 1 process and PP2 x EP2 on 4 ranks (2 DP ranks) draw the same prompts, refill with the

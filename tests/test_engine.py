@@ -26,6 +26,7 @@ def forward_logprobs(model, req, temperature=1.0):
     return (logits / temperature).log_softmax(-1).gather(-1, ids[0, len(req.input_ids):, None])[:, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,lengths,new", [(TINY, (1, 3, 17, 33, 70), 40), (SMALL, (5, 120, 200), 70)],
                          ids=["tiny", "small"])
 def test_prefill_then_decode_equals_full_forward(args, lengths, new):
@@ -42,6 +43,7 @@ def test_prefill_then_decode_equals_full_forward(args, lengths, new):
         assert diff <= 1e-4, f"prompt {len(r.input_ids)}: engine vs forward {diff:.2e}"
 
 
+@pytest.mark.slow
 def test_batched_equals_one_by_one_and_prefix_sharing():
     """Same seeds give the same tokens whether requests run alone or together, and n samples of one
     prompt (prefilled once, cache copied) differ only through their seeds."""
@@ -79,6 +81,7 @@ def test_continuous_batching_admits_mid_flight():
         assert r.output_ids == want
 
 
+@pytest.mark.slow
 def test_admission_waits_for_an_eighth_of_the_batch():
     """16 slots for 40 requests that finish one by one: while others decode, a prefill admits at least 2 (an
     eighth of the batch) unless fewer wait, and the tokens are those of a batch that holds every request at once."""
@@ -195,6 +198,7 @@ def test_abort_and_bad_input():
         engine.load_weights({"embed.weight": torch.zeros(3, 3)})
 
 
+@pytest.mark.slow
 def test_bf16_engine_close_to_bf16_forward():
     model = model_of(TINY, torch.bfloat16)
     engine = Engine(model, max_batch=4, max_len=128)
@@ -203,6 +207,7 @@ def test_bf16_engine_close_to_bf16_forward():
     assert diff.mean().item() < 0.05, diff.mean().item()
 
 
+@pytest.mark.slow
 def test_decode_bench_counts_the_experts_a_step_reads():
     """bench/bench.py --what=decode takes the floor's expert bytes from the experts the batch's tokens pick. Its model and
     prompts, rebuilt here (tiny's trunk drawn by init_weights, torch.manual_seed(0), then the prompts), routed with

@@ -1,6 +1,6 @@
-"""Faults injected into the real trainer (tests/fault_run.py): preemption and resume, a rank killed mid-step, a
-hung step, NaN losses, the rollout server killed mid-generation and mid-sync. A run that recovers must end where
-the uninterrupted run ends: the same rewards, losses and weights (no data lost)."""
+"""Faults injected into the real trainer (tests/helpers/fault_run.py): preemption and resume, a rank killed
+mid-step, a hung step, NaN losses, the rollout server killed mid-generation and mid-sync. A run that recovers must
+end where the uninterrupted run ends: the same rewards, losses and weights (no data lost)."""
 import json
 import os
 import re
@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from checkpoint import load_state_dict
-from grpo_base import ARGS as SPREAD_ARGS, assert_policy_gradient, base_checkpoint
+from faults import Skips
+from helpers.grpo_base import ARGS as SPREAD_ARGS, assert_policy_gradient, base_checkpoint
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+FAULT_RUN = os.path.join(ROOT, "tests", "helpers", "fault_run.py")
 BASE = ["--init_from=scratch", "--model_config=config/models/tiny.json", "--data=toy", "--eval_data=toy",
         "--n_prompts=4", "--n_samples=4", "--max_new_tokens=8", "--overlong_buffer=7",
         "--eval_interval=0", "--n_microbatches=2", "--dynamic_sampling=False", "--lr=3e-3", "--max_steps=2"]
@@ -25,7 +27,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 def train(out, fault, *args, timeout=240):
     """One process of train_grpo.py with the fault -> (exit code, stdout + stderr, seconds)."""
     t0 = time.time()
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fault_run.py"), fault, f"--out_dir={out}", *BASE,
+    p = subprocess.run([sys.executable, FAULT_RUN, fault, f"--out_dir={out}", *BASE,
                         *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
     return p.returncode, p.stdout + p.stderr, time.time() - t0
 
@@ -76,6 +78,7 @@ def reference(tmp_path_factory, spread):
     return metrics(out), out
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_equals_uninterrupted(reference, spread, tmp_path):
     code, log, _ = train(tmp_path, "sigterm@0", "--checkpoint_interval=0", *spread)  # only the preemption's checkpoint
     assert code == 143 and "stopped by SIGTERM after step 0" in log, log[-3000:]
@@ -90,6 +93,7 @@ def test_sigterm_checkpoints_and_resume_equals_uninterrupted(reference, spread, 
     same_run(tmp_path, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault,args,failed", [
     ("kill_server_gen@1", [], "step 1 rollout, attempt 1 failed"),
     ("kill_server_sync@0", ["--weight_sync=distributed", "--weight_sync_bucket_mb=8", "--dist_timeout=30"],
@@ -101,6 +105,7 @@ def test_rollout_server_killed_then_restarted_and_resynced(reference, spread, tm
     same_run(tmp_path, reference)  # the step redone with the same seeds
 
 
+@pytest.mark.slow
 def test_nan_loss_skips_the_step_then_stops_the_run(tmp_path):
     code, log, _ = train(tmp_path, "nan_from@1", "--checkpoint_interval=1", "--max_steps=4", "--max_consecutive_skips=2")
     assert code == 1 and "2 steps in a row skipped (the last, step 2" in log, log[-3000:]
@@ -113,6 +118,20 @@ def test_nan_loss_skips_the_step_then_stops_the_run(tmp_path):
     assert mb["input_ids"].shape[0] == 8 and "adv" in mb  # the offending micro-batch, for a post-mortem
 
 
+def test_skips_stop_the_run_after_max_in_a_row():
+    """In process: a trained step starts the count again, max_in_a_row skips in a row stop the run naming the last
+    one, and 0 never stops it."""
+    skips, never = Skips(2), Skips(0)
+    for step, reason in enumerate(["non-finite loss in micro-batch [1]", None, "rollouts failed"]):
+        skips.update(step, reason)
+    with pytest.raises(SystemExit, match=r"2 steps in a row skipped \(the last, step 3: rollouts failed\)"):
+        skips.update(3, "rollouts failed")
+    for step in range(100):
+        never.update(step, "rollouts failed")
+    assert never.in_a_row == 100
+
+
+@pytest.mark.slow
 def test_watchdog_prints_stacks_of_a_hung_step(tmp_path):
     code, log, seconds = train(tmp_path, "hang@1", "--watchdog_s=6", "--checkpoint_interval=0")
     assert code == 124 and "rank 0: watchdog: step 1 has run for over 6 s" in log, log[-3000:]
@@ -131,7 +150,7 @@ def launch(out, fault, n, *args):
     for rank in range(n):
         env = dict(ENV, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "fault_run.py"), fault,
+        procs.append(subprocess.Popen([sys.executable, FAULT_RUN, fault,
                                        f"--out_dir={out}", *BASE, *args], cwd=ROOT, env=env, stdout=logs[rank],
                                       stderr=subprocess.STDOUT))
     ended = [None] * n
@@ -145,6 +164,7 @@ def launch(out, fault, n, *args):
     return [p.wait() for p in procs], [open(f.name).read() for f in logs], ended
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint(tmp_path):
     codes, outs, _ = launch(tmp_path, "sigterm@0:1", 2, "--checkpoint_interval=0")  # dp 2: only rank 1 is told
     assert codes == [143, 143] and "stopped by SIGTERM after step 0" in outs[0], outs
@@ -153,6 +173,7 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint(tmp_path):
         "trainer_rank00000-of-00002.pt", "trainer_rank00001-of-00002.pt"]
 
 
+@pytest.mark.slow
 def test_kill9_one_rank_mid_step_stops_every_rank(tmp_path):
     """4 ranks (pp 2 x dp 2); rank 1 is killed with SIGKILL in step 1's forward. The others must exit non-zero
     within the collective timeout, naming the group, the operation and their rank."""

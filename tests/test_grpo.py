@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grpo import group_advantages, grpo_loss, keep_group, make_microbatches
-from grpo_base import ARGS as BASE_ARGS, assert_policy_gradient, base_checkpoint, run, weights
+from helpers.grpo_base import ARGS as BASE_ARGS, assert_policy_gradient, base_checkpoint, run, weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,6 +121,7 @@ def base(tmp_path_factory):
     return [f"--init_from={base_checkpoint(tmp_path_factory)}", *BASE_ARGS]
 
 
+@pytest.mark.slow
 def test_smoke_and_resume_equals_uninterrupted(tmp_path, base):
     full = run(tmp_path / "a", "--max_steps=2", "--checkpoint_interval=2", *base)  # the last step's only
     assert [r["step"] for r in full] == [0, 1] and all(r["train_tokens"] > 0 for r in full)
@@ -143,6 +144,7 @@ def test_smoke_and_resume_equals_uninterrupted(tmp_path, base):
     assert full[0]["ratio_abs_dev"] == 0.0 and full[0]["pg_clipfrac"] == 0.0  # strictly on-policy
 
 
+@pytest.mark.slow
 def test_minibatches_score_against_the_policy_before_the_step(tmp_path, base):
     """n_minibatches=2: two updates from one rollout. The second minibatch's ratio is to the policy that drew the
     samples, which the first update has moved: |ratio - 1| > 0 (a run that took the old logprobs after the first
@@ -152,6 +154,7 @@ def test_minibatches_score_against_the_policy_before_the_step(tmp_path, base):
     assert rows[0]["ratio_abs_dev"] > 1e-4, rows[0]["ratio_abs_dev"]
 
 
+@pytest.mark.slow
 def test_grpo_step_pp2_ep2_equals_one_rank(tmp_path, base):
     every = "--trainable=all", "--lr=3e-3"  # one step: every parameter trained and compared
     one = run(tmp_path / "one", "--max_steps=1", *base, *every)
@@ -173,6 +176,7 @@ def test_grpo_step_pp2_ep2_equals_one_rank(tmp_path, base):
     assert norm(diff) <= 1e-3 * norm({k: w1[k] - w0[k] for k in w1})
 
 
+@pytest.mark.slow
 def test_invariant_run_scores_rollouts_exactly(tmp_path):
     """invariant=True (model.set_invariant in the trainer's stages, --invariant on the embedded server): a bf16 run
     on 2 pipeline stages with activation recompute re-scores every sampled token exactly as the server did

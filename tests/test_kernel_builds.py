@@ -1,6 +1,6 @@
 """Every Triton kernel of the project (dsv4_kernels/: mhc_triton.py, decode.py, decode_attention.py, route.py)
 compiled to machine code for the H200 and the MI355X, without a GPU. Their values are tested against their references
-in test_triton.py, test_decode_kernels.py, test_decode_attention.py and test_routing_kernels.py."""
+in test_mhc_kernels.py, test_decode_kernels.py, test_decode_attention.py and test_routing_kernels.py."""
 import os
 import subprocess
 import sys
@@ -12,6 +12,7 @@ pytest.importorskip("triton", reason="Triton comes with torch's GPU builds; requ
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_h200_and_mi355x():
     """Triton's interpreter runs code that its compiler refuses (an `if` whose branches give two shapes passes the
     tests on the CPU and fails to compile for the GPU). So every kernel is also compiled here, without a GPU, to

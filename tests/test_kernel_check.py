@@ -2,7 +2,7 @@
 agree; a path that raises or disagrees falls back to the reference, alone, and the start line says so. 'fast' takes
 every path, 'reference' none, and Transformer.set_kernels by name reaches exactly one path's module flags. On the CPU
 the check takes the torch paths (attention, experts; mhc and gemm_f32 in bf16); the Triton ones need a GPU, where
-the same check runs them (tests/test_kernels*.py and friends hold each kernel to its reference)."""
+the same check runs them (tests/test_fast_paths*.py and friends hold each kernel to its reference)."""
 import copy
 import json
 

@@ -23,6 +23,7 @@ def ours(args, seed=0):
     return randomize_(model, args.n_routed_experts, args.num_experts_per_tok, seed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,T", CASES, ids=["tiny", "small"])
 def test_parity_ours_to_transformers(args, T, tmp_path):
     """Save ours in official names; transformers loads it with its own key mapping; fp32 logits agree."""
@@ -35,6 +36,7 @@ def test_parity_ours_to_transformers(args, T, tmp_path):
     assert diff <= 1e-4, f"max |logit diff| {diff:.2e} vs transformers"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,T", CASES, ids=["tiny", "small"])
 def test_parity_transformers_to_ours(args, T, tmp_path):
     """The reverse: a random transformers model, saved by transformers, loads into ours with equal logits."""
@@ -49,6 +51,7 @@ def test_parity_transformers_to_ours(args, T, tmp_path):
     assert diff <= 1e-4, f"max |logit diff| {diff:.2e} vs transformers"
 
 
+@pytest.mark.slow
 def test_parity_catches_untransposed_comb(tmp_path, monkeypatch):
     """The parity test has teeth: the classic mHC bug (comb used untransposed) is far outside tolerance."""
     import model_dsv4
@@ -62,6 +65,7 @@ def test_parity_catches_untransposed_comb(tmp_path, monkeypatch):
         assert (model(ids) - ref(ids).logits).abs().max().item() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [TINY, SMALL], ids=["tiny", "small"])
 def test_causality_bit_identical(args):
     model = ours(args)
@@ -101,6 +105,7 @@ def test_hash_layers_route_by_table():
         torch.testing.assert_close(w.sum(-1), torch.full((80,), TINY.routed_scaling_factor))
 
 
+@pytest.mark.slow
 def test_every_parameter_gets_a_gradient():
     """LM loss + MTP loss reach every trainable parameter except the indexer's: its top-k selection is
     discrete, so no gradient flows to it (V4 trains it with a separate distillation loss)."""
@@ -122,6 +127,7 @@ def test_every_parameter_gets_a_gradient():
     assert hit > 0.9 * 3 * len(used)
 
 
+@pytest.mark.slow
 def test_bf16_mode():
     """bf16 parameters and activations with fp32 islands; fp32 logits; close to the fp32 model."""
     model = Transformer(copy.deepcopy(TINY), dtype=torch.float32)  # the from-scratch init

@@ -37,6 +37,7 @@ def test_pack_rows_first_fit_aligned():
     assert len(rows) < len(LENGTHS) and max(len(row) for row in rows) >= 3  # packed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast"])
 def test_packed_forward_equals_each_samples_own(fast, device):

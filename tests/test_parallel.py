@@ -2,18 +2,22 @@
 Each rank is its own process (not torchrun), so a test can watch every rank's exit and message when one fails."""
 import glob
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 import parallel
-import parallel_run
+from helpers import parallel_run
+from memory_plan import plan_table
+from model_dsv4 import ModelArgs, Transformer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "parallel_run.py")
 PARAM_TOL = 1e-5
 
 
@@ -26,7 +30,7 @@ def launch(out_dir, pp, ep, variants, env=None, n=4, timeout=240):
     for rank in range(n):
         e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "parallel_run.py"), str(out_dir), str(pp),
+        procs.append(subprocess.Popen([sys.executable, RUNNER, str(out_dir), str(pp),
                                        str(ep), variants], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     try:
@@ -64,13 +68,32 @@ LAYOUTS = {  # (pp, ep) on 4 ranks -> the variants run there
 }
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """launched(layout) -> (out_dir, exit codes, outputs): each layout's 4 ranks started once a module, with its
+    variants and, on the dp4-ep layouts, the EP MoE check after them ("moe"). The layout test and the EP test read
+    the same launch: 4 processes importing torch on 2 cores cost seconds a launch, and the EP check's grid (pp 1, ep 2
+    or 4) is the layout's own. A failed EP check fails the layout test too (its exit code)."""
+    runs = {}
+
+    def get(layout):
+        if layout not in runs:
+            pp, ep, variants = LAYOUTS[layout]
+            out = tmp_path_factory.mktemp(layout)
+            codes, outs, _ = launch(out, pp, ep, variants + (",moe" if pp == 1 else ""))
+            runs[layout] = out, codes, outs
+        return runs[layout]
+    return get
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_equals_one_process(layout, reference, tmp_path):
-    pp, ep, variants = LAYOUTS[layout]
-    codes, outs, _ = launch(tmp_path, pp, ep, variants)
+def test_layout_equals_one_process(layout, reference, launched):
+    variants = LAYOUTS[layout][2]
+    out, codes, outs = launched(layout)
     assert codes == [0] * 4, "\n".join(outs)
     ref_losses, ref_state = reference
-    runs = {v: merged(tmp_path, v) for v in variants.split(",")}
+    runs = {v: merged(out, v) for v in variants.split(",")}
     for v, (losses, state) in runs.items():
         assert set(state) == set(ref_state), f"{v}: tensors missing or extra: {set(ref_state) ^ set(state)}"
         for (loss, gnorm), (ref_loss, ref_gnorm) in zip(losses, ref_losses):
@@ -84,12 +107,14 @@ def test_layout_equals_one_process(layout, reference, tmp_path):
             assert max((state[k] - base[k]).abs().max().item() for k in base) <= 1e-6, v
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ep", [2, 4])
-def test_ep_dispatch_combine_equals_unsharded_moe(ep, tmp_path):
-    codes, outs, _ = launch(tmp_path, 1, ep, "moe")
+def test_ep_dispatch_combine_equals_unsharded_moe(ep, launched):
+    _, codes, outs = launched(f"dp4-ep{ep}")
     assert codes == [0] * 4 and all("EP MoE equals the per-token reference" in o for o in outs), "\n".join(outs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault,expect", [("wrong_shape", "expected shape"), ("die", "failed on rank")])
 def test_fault_fails_fast_with_a_named_op(fault, expect, tmp_path):
     """A rank that sends a wrong shape, or dies mid-step: every rank exits non-zero well within the
@@ -109,3 +134,24 @@ def test_bad_layout_is_a_clear_error():
         parallel.stage_layers(8, 4, [2, 2, 2, 1])
     assert parallel.stage_layers(43, 4) == [list(range(0, 11)), list(range(11, 22)), list(range(22, 33)),
                                             list(range(33, 43))]
+
+
+def test_memory_plan_shards_the_experts_and_counts_every_parameter_once():
+    """memory_plan.plan_table (train_grpo's dry run) on the meta device: a row a stage with its layers; the stages'
+    parameters add up to the model's, each routed expert on one of ep ranks; each row's totals add up."""
+    args = replace(ModelArgs(), hidden_size=1024, moe_intermediate_size=1024, n_routed_experts=64)  # 1.9B: whole GBs
+    with torch.device("meta"):
+        named = list(Transformer(args, dtype=torch.bfloat16).named_parameters())
+    experts = sum(p.numel() for n, p in named if ".experts." in n)
+    dense = sum(p.numel() for _, p in named) - experts
+    for ep in (1, 4):
+        rows = [line.split("|")[1:-1] for line in plan_table(args, 2, ep, 8, 1, 128, False, 4).splitlines()
+                if re.match(r"\| \d", line)]
+        stages = parallel.stage_layers(args.num_hidden_layers, 2)
+        assert [r[1].strip() for r in rows] == [f"{s[0]}-{s[-1]}" for s in stages]
+        params = sum(float(r[2].strip().rstrip("B")) for r in rows)  # rounded to 0.01B a row
+        assert params == pytest.approx((dense + experts / ep) / 1e9, abs=0.01 * len(rows)), (ep, rows)
+        for r in rows:  # rounded to 0.1 GB a column
+            weights, grads, optim, act, total, offloaded = (float(c) for c in r[3:])
+            assert total == pytest.approx(weights + grads + optim + act, abs=0.25), r
+            assert offloaded == pytest.approx(total - optim, abs=0.15), r

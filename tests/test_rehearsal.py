@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 
-from grpo_base import ARGS as SPREAD_ARGS, assert_policy_gradient, base_checkpoint
+import pytest
+
+from helpers.grpo_base import ARGS as SPREAD_ARGS, assert_policy_gradient, base_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_rehearsal_first_two_steps(tmp_path_factory, tmp_path):
     base = base_checkpoint(tmp_path_factory)
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "rehearsal.py"), f"--out_dir={tmp_path}",

@@ -16,7 +16,7 @@ import server
 from conftest import SMALL, randomize_
 from engine import Engine, SamplingParams
 from grpo import make_microbatches
-from grpo_base import assert_policy_gradient
+from helpers.grpo_base import assert_policy_gradient
 from model_dsv4 import Transformer, mask_picks, picks_mask
 from rollout import parse_sample
 from test_grpo import base, run, weights  # noqa: F401 (base: the fixture)
@@ -120,6 +120,7 @@ def scores(model, sample, fields=(), shift=0, grad=False):
     return lp, torch.stack(stats).sum(0).tolist() if stats else None
 
 
+@pytest.mark.slow
 def test_replay_restores_the_engines_logprobs_when_the_trainer_would_pick_otherwise(model):
     """The trainer's router bias and hash table, which steer selection only, and its indexer's weights perturbed: its
     own picks and logprobs move away from the engine's. Routing replay alone restores the experts (counted as
@@ -193,6 +194,7 @@ def test_microbatches_carry_the_ids_aligned_and_a_stage_its_layers(model):
             make_microbatches([(ids[:P], [{**s, **bad}], [1.0])], 1, 1, replay=cols, args=SMALL)
 
 
+@pytest.mark.slow
 def test_grpo_step_with_replay_pp2_ep2_equals_one_process(tmp_path, base):  # noqa: F811 (the fixture)
     """FP8 rollouts route some tokens otherwise than the fp32 trainer would (routing_disagree > 0), so replay moves
     the step. With both replays on, PP2 x EP2 (each stage its layers' ids, EP dispatch by them) trains as one process:

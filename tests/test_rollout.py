@@ -106,6 +106,7 @@ def test_logprobs_equal_training_forward(url, ckpts, T):
             assert diff <= 1e-5, f"server vs training forward: {diff:.2e}"
 
 
+@pytest.mark.slow
 def test_concurrent_requests_equal_one_by_one(url):
     bodies = [gen_body(PROMPTS[i % 3], seed=i, max_new=16) for i in range(8)]
     alone = [call(url, "/generate", b)[1] for b in bodies]

@@ -73,6 +73,7 @@ def test_sort_pairs_triton_equals_dispatch(N, K, D, E, dtype):
     assert xs.dtype == dtype and torch.equal(xs, x[ref_order // K]) and torch.equal(ws, w.flatten()[ref_order])
 
 
+@pytest.mark.slow
 def test_model_without_grad_on_triton_routing_equals_reference(monkeypatch):
     """A forward without grad with the MoE's kernels on routes through route_triton in every layer (hash ones
     included) and, for one token a sequence (a decode step), orders the pairs by sort_pairs_triton: TINY's layers on

@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = "dsv4_kernels"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,last", [("model_dsv4.py", "self-check passed"),
                                          ("checkpoint.py", "self-check passed"),
                                          ("engine.py", "engine logprobs vs full forward"),

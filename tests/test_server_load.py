@@ -27,6 +27,7 @@ ARGS = ModelArgs(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attent
                  num_nextn_predict_layers=0)
 
 
+@pytest.mark.slow
 def test_1500_requests_in_flight_each_answered_whole(tmp_path):
     save_pretrained(randomize_(Transformer(ARGS, dtype=torch.float32), 4, 2, 0), str(tmp_path))
     log = open(tmp_path / "server.log", "w+")

@@ -24,6 +24,7 @@ def run(out, *args, nproc=1, check=True):
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_short_run_logs_evaluates_and_writes_a_checkpoint(tmp_path):
     """Eight steps: one metrics row a step (loss, tokens/s), the held-out eval at steps 4 and 8 (pass@k and the
     well-formed share, from the checkpoint it wrote), a falling loss, and a checkpoint that loads strictly into a full
@@ -55,6 +56,7 @@ def weights(path):
     return load_state_dict(str(path))
 
 
+@pytest.mark.slow
 def test_sft_pp2_ep2_equals_one_rank(tmp_path):
     """One global batch a step, sharded over DP: 4 gloo ranks (2 stages x 2 DP ranks that also split the experts) train
     on the same examples as one process, so every step's loss and the weights after 3 steps agree to fp32 rounding. The
@@ -74,22 +76,27 @@ def test_sft_pp2_ep2_equals_one_rank(tmp_path):
     assert max((w1[k] - w4[k]).abs().max().item() for k in w1) <= 1e-5
 
 
-def test_bad_input_is_a_usage_error(tmp_path):
+# (argument, what stderr says; {tmp} is the test's tmp_path): the first in the fast tier, as train_sft.py's exit 2
+BAD_INPUT = [("--init_from={tmp}", "is not a checkpoint directory"),
+             ("--model_config={tmp}/small.json", "259 ids, more than the model's vocab_size 200"),
+             ("--math_steps=1", "gave only 17 distinct problems"),
+             ("--math_teacher_error=1.0", "math_teacher_bug=0.0: shares of the solutions"),
+             ("--math_teacher_bug=0.6", "math_teacher_error=0.4, math_teacher_bug=0.6")]
+
+
+@pytest.mark.parametrize("bad,says", [BAD_INPUT[0], *(pytest.param(*b, marks=pytest.mark.slow) for b in BAD_INPUT[1:])])
+def test_bad_input_is_a_usage_error(tmp_path, bad, says):
     """Exit 2 with a message that names the problem, before any model is built: an init_from without a checkpoint, a
     tokenizer larger than the model's vocabulary, a held-out set the task config cannot fill, a teacher error that is not
     a share below 1."""
     small = json.load(open(os.path.join(ROOT, "config", "models", "micro.json")))
     small["vocab_size"] = 200
     json.dump(small, open(tmp_path / "small.json", "w"))
-    for bad, says in ((f"--init_from={tmp_path}", "is not a checkpoint directory"),
-                      (f"--model_config={tmp_path / 'small.json'}", "259 ids, more than the model's vocab_size 200"),
-                      ("--math_steps=1", "gave only 17 distinct problems"),
-                      ("--math_teacher_error=1.0", "math_teacher_bug=0.0: shares of the solutions"),
-                      ("--math_teacher_bug=0.6", "math_teacher_error=0.4, math_teacher_bug=0.6")):
-        p = run(tmp_path / "out", bad, check=False)
-        assert p.returncode == 2 and says in p.stderr, (bad, p.stderr[-2000:])
+    p = run(tmp_path / "out", bad.format(tmp=tmp_path), check=False)
+    assert p.returncode == 2 and says in p.stderr, (bad, p.stderr[-2000:])
 
 
+@pytest.mark.slow
 def test_default_run_makes_the_base_then_trains_every_parameter_from_it(tmp_path):
     """train_grpo.py with no init_from (the README's main command, scaled down): it trains the base with train_sft.py
     into out_dir/base, then GRPO trains every parameter from it, with held-out evals before the first update and after

@@ -52,6 +52,7 @@ def as_sent(t):
     return (e8m0_to_float(t) if t.dtype == torch.float8_e8m0fnu else t.float()).double().cpu()
 
 
+@pytest.mark.slow
 def test_tensor_equals_disk(servers, tmp_path):
     """Server A synced through disk, server B through flattened tensor buckets: bit-equal weights and greedy
     logprobs. (Tensor by tensor: test_fp8_serving_via_tensor.)"""
@@ -71,6 +72,7 @@ def test_tensor_equals_disk(servers, tmp_path):
     assert logprob_diff(b, model, "v") <= 1e-5
 
 
+@pytest.mark.slow
 def test_fp8_serving_via_tensor(ckpt, tmp_path):
     """The official FP8 format through tensor buckets sent tensor by tensor (float8 CPU tensors:
     tensor_payload.BytesPickler; flattened fp8 buckets: test_weight_sync.py's quantized serving); a full-precision

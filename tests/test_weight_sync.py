@@ -1,5 +1,5 @@
 """Weight sync (weight_sync.py) into running embedded servers (subprocesses): logprobs after a step and a sync,
-PP2 x EP2 senders of every transport (tests/sync_run.py), FP8 / FP4 serving in the official format, a server
+PP2 x EP2 senders of every transport (tests/helpers/sync_run.py), FP8 / FP4 serving in the official format, a server
 killed mid-sync. The tensor transport's own tests: test_tensor_sync.py."""
 import copy
 import glob
@@ -17,7 +17,7 @@ import weight_sync as wsync
 from conftest import randomize_, start_servers, stop
 from checkpoint import save_pretrained
 from model_dsv4 import ModelArgs, Transformer
-from parallel_run import ARGS as RUN_ARGS
+from helpers.parallel_run import ARGS as RUN_ARGS
 from quant import quant_format, quantize_tensor, quantized_meta
 from rollout import RolloutClient
 
@@ -87,12 +87,13 @@ def test_step_then_sync_logprobs_equal(mode, flatten, servers, tmp_path):
     assert max(diffs) <= 1e-5
 
 
+@pytest.mark.slow
 def test_pp2_ep2_send_every_tensor_once_and_servers_equal(servers, tmp_path):
     urls = [u for _, u in servers]
     # under torchrun, as the trainer runs: its agent store must not capture the weight-update group's rendezvous
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                        "tests/sync_run.py", str(tmp_path), "2", "2", ",".join(urls)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                        "tests/helpers/sync_run.py", str(tmp_path), "2", "2", ",".join(urls)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     sent = [json.load(open(f)) for f in glob.glob(f"{tmp_path}/sent.rank*.json")]
     full = parallel.build_stage(ARGS, GRID, dtype=torch.float32, seed=7).state_dict()  # what the 4 ranks hold
@@ -132,6 +133,7 @@ def test_quant_table_follows_the_spec():
     assert quantized_meta("layers.3.attn.wq_b.weight", (32768, 1024), torch.bfloat16, "fp8")[1][1:] == ((256, 8), e8m0)
 
 
+@pytest.mark.slow
 def test_quantized_serving(quant_server, tmp_path):
     (quant, url), model = quant_server, trained(step_seed=3)
     client = RolloutClient(url)
@@ -155,6 +157,7 @@ def test_quantized_serving(quant_server, tmp_path):
     assert torch.equal(torch.tensor(got[1], dtype=torch.double), 2.0 ** (s.view(torch.uint8).double() - 127))
 
 
+@pytest.mark.slow
 def test_server_killed_mid_sync(servers, ckpt, tmp_path, monkeypatch):
     (_, url_a), (proc_b, url_b) = servers
     client, model = RolloutClient([url_a, url_b]), trained(step_seed=5)
@@ -186,6 +189,7 @@ def test_server_killed_mid_sync(servers, ckpt, tmp_path, monkeypatch):
     assert client.stale == set() and logprob_diff(url_b, model, "k-3") <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["tensor"])  # train_grpo with 'distributed': test_faults.py (a server killed mid-sync)
 def test_train_grpo_syncs_into_fp8_server(mode, tmp_path):
     """The trainer's path: an fp8 embedded server, a verified sync after each step (2 steps)."""

@@ -1,6 +1,6 @@
 """Runs a few training steps of a tiny V4 under a parallel layout and saves what the test compares.
 Launched by tests/test_parallel.py on 4 gloo ranks (and imported by it for the one-process reference):
-    python tests/parallel_run.py OUT_DIR PP EP VARIANT[,VARIANT...]     (with RANK/WORLD_SIZE/... set)
+    python tests/helpers/parallel_run.py OUT_DIR PP EP VARIANT[,VARIANT...]     (with RANK/WORLD_SIZE/... set)
 A variant is n_micro:schedule[:recompute][:offload], e.g. 4:1f1b:recompute; or "moe", which checks EP
 dispatch/combine against a plain per-token loop over the unsharded experts, forward and backward."""
 import os
@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import parallel  # noqa: E402
 from model_dsv4 import ModelArgs  # noqa: E402
 from optimizer import AdamW  # noqa: E402

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # What a compared run adds to its arguments, after --init_from:
 #   10 new tokens hold "Answer: d" and EOS; rewards 0 / 1, no overlong penalty;
 #   no entropy bonus: the policy gradient is the whole gradient (and the on-policy loss, -mean advantage, is 0 but

@@ -1,5 +1,5 @@
 """Runs train_grpo.py with one fault injected from outside (the trainer has no fault hooks of its own):
-    python tests/fault_run.py FAULT [train_grpo.py arguments...]      (under RANK/WORLD_SIZE/... for several ranks)
+    python tests/helpers/fault_run.py FAULT [train_grpo.py arguments...]  (under RANK/WORLD_SIZE/... for several ranks)
 FAULT is none, or KIND@STEP[:RANK] (the fault fires in GRPO step STEP, on rank RANK, default 0):
     sigterm      SIGTERM to this rank during the step's rollout (mid-step)
     sigkill      kill -9 of this rank in its first forward of the step
@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 import parallel  # noqa: E402
 import rollout  # noqa: E402

@@ -1,13 +1,13 @@
 """A trainer under a parallel layout that syncs its weights to running servers, every transport, and saves what
 each rank sent. Launched by tests/test_weight_sync.py on 4 gloo ranks:
-    torchrun --standalone --nproc_per_node=4 tests/sync_run.py OUT_DIR PP EP URL[,URL...]"""
+    torchrun --standalone --nproc_per_node=4 tests/helpers/sync_run.py OUT_DIR PP EP URL[,URL...]"""
 import json
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import parallel  # noqa: E402
 import weight_sync as wsync  # noqa: E402
 from model_dsv4 import ModelArgs  # noqa: E402

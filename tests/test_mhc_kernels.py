@@ -128,11 +128,12 @@ def test_hc_post_triton_under_compile():
 FOUR = replace(TINY, num_hidden_layers=4, compress_ratios=[0, 0, 4, 16, 0])  # hash, window, CSA, HCA layers and MTP
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,T", [(FOUR, 20), (SMALL, 16)], ids=["tiny-4-layers", "small"])
 def test_model_on_triton_kernels_equals_reference(args, T, monkeypatch):
     """The whole model as it trains on a GPU, the Triton kernels in (Sinkhorn, hc_post; without a GPU has_triton is
     forced on and the interpreter runs them), with the trainer's activation recompute (parallel.stage_forward): the
-    logits and every parameter's gradient against the reference model's, fp32, as test_kernels.py's whole-model test
+    logits and every parameter's gradient against the reference model's, fp32, as test_fast_paths.py's whole-model test
     (hc_mult 4 and 2). Four of TINY's layers and one sequence of 20 or 16 tokens: the interpreter takes ~15 ms a
     program, and hc_post's kernels run a program a token."""
     calls, sinks = [], []
@@ -191,6 +192,7 @@ def test_hc_pre_triton_equals_reference(n, D, T, dtype, norm):
         assert (a.float() - b.float()).abs().max() <= t * b.float().abs().max(), (name, (a - b).abs().max())
 
 
+@pytest.mark.slow
 def test_model_without_grad_on_hc_pre_triton_equals_reference(monkeypatch):
     """A decode-shaped forward without grad (one position, few tokens) takes hc_pre_triton for every sublayer: TINY's
     layers on 5 sequences of one token, fp32, against the same model's reference hc_pre, to 1e-5 of the largest

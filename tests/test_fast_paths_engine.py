@@ -2,7 +2,7 @@
 (trained in place through the parameters' views, gradients that add up, re-stacked after a cast or a load, followed
 by the engine's weight loads), and on a GPU the engine's CUDA-graph decode against its eager decode and the forward,
 and with the decode kernels' programmatic dependent launch against without.
-The kernels themselves against their references: test_kernels.py."""
+The kernels themselves against their references: test_fast_paths.py."""
 import copy
 
 import pytest
@@ -56,6 +56,7 @@ def test_engine_cuda_graphs_equal_eager_and_forward():
 
 
 
+@pytest.mark.slow
 def test_stacked_experts_train_in_place():
     """Training with the experts' weights stacked (Transformer.stack_experts, the parameters views of the stacks):
     the optimizer's steps write through the views, so the stacks stay the parameters' storage, and after two steps
@@ -131,6 +132,7 @@ def test_engine_stacked_experts_follow_weight_loads():
         torch.testing.assert_close(twin(ids), model(ids), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_engine_fused_projections_equal_separate_and_follow_loads(monkeypatch):
     """The engine's decode runs each layer's attention projections of one input as one GEMM on their weights fused
     into one tensor (Transformer.fuse_projections, dsv4_kernels.fast.fused_projections): each projection's slice

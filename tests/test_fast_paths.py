@@ -108,6 +108,7 @@ def test_grouped_experts_equal_loop():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,T", [(TINY, 100), (SMALL, 300)], ids=["tiny", "small"])
 def test_model_fast_equals_reference(args, T):
     """The whole model with set_kernels(True) vs (False): logits and every parameter's gradient, fp32."""
