@@ -2,18 +2,24 @@
 Checkpoints in the official layout: config.json, safetensors shards and their index, tensors under the official names
 that model_dsv4.py's parameters carry (so the name table is the identity). Reading also takes what transformers'
 save_pretrained writes (its `model.` prefix and renames undone) and dequantises the official FP8 (e4m3 + .scale) and
-packed FP4 tensors to fp32. train_grpo.py's own checkpoints (optimizer, RNG, cursor) add their files beside these.
+packed FP4 tensors to fp32. The trainers write the same layout sharded by rank (save_weights), and train_grpo.py's
+checkpoints add each rank's optimizer, RNG and data cursor beside it (save_checkpoint, load_state, checkpoints).
 """
 import functools
 import glob
 import json
 import os
+import random
 import re
+import shutil
+import time
 
 import torch
+import torch.distributed as dist
 
+import parallel
 from model_dsv4 import FP32_NAMES, ModelArgs, Transformer
-from quant import dequantize, scale_name
+from quant import dequantize, quantize_tensor, scale_name
 
 
 def save_pretrained(model, path, dtype=None, shard_bytes=4 << 30):
@@ -118,6 +124,91 @@ def from_pretrained(path, device=None, dtype=None) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args, dtype=dtype or torch.bfloat16)
     return load_weights(model, path, device=device or "cpu")
+
+
+# -----------------------------------------------------------------------------
+# the trainers' writes: sharded official-name weights (train_sft.py's base, train_grpo.py's syncs from disk and
+# checkpoints), and train_grpo.py's checkpoints (those weights + each rank's optimizer / RNG / cursor, for resume)
+
+RANK_FILE = "trainer_rank{:05d}-of-{:05d}.pt"  # a rank's optimizer / RNG / cursor file in a checkpoint (rank, world)
+
+
+def save_weights(model, grid, path, args, quant="none"):
+    """Every writer saves model-rank{r}-of{w}.safetensors into path, quantized for rollout_quant; rank 0 adds
+    config.json and the index (transformers' from_pretrained reads it too). Collective. -> (the first rows of
+    what this rank wrote, for verify; its bytes)."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    mine = {n: q.contiguous().cpu() for k, v in model.state_dict().items()
+            if (grid.edp_rank == 0 if ".experts." in k else grid.dp_rank == 0)  # what this rank writes (docstring)
+            for n, q in quantize_tensor(k, v.detach(), quant).items()}
+    fname = f"model-rank{grid.rank:05d}-of-{grid.world_size:05d}.safetensors"
+    nbytes = sum(v.nbytes for v in mine.values())
+    if mine:
+        save_file(mine, os.path.join(path, fname), metadata={"format": "pt"})
+    names = [(list(mine), fname, nbytes)] * grid.world_size  # every writer's (keys, file, bytes), for the index
+    if grid.world_size > 1:
+        with parallel.named("all_gather_object(shard names)", dist.group.WORLD):
+            dist.all_gather_object(names, names[0])
+    if grid.rank == 0:
+        index = {k: f for keys, f, _ in names for k in keys}
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": sum(n for *_, n in names)}, "weight_map": index}, f)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(args.to_json(), f, indent=1)
+    parallel.barrier(dist.group.WORLD, "shards written")
+    return {k: v[:2].clone() for k, v in mine.items()}, nbytes
+
+
+
+def save_checkpoint(out_dir, step, model, grid, args, state, config, keep):
+    """out_dir/ckpt_{step}: the weights (save_weights, every rank), each rank's trainer state (optimizer, RNG, data
+    cursor: trainer_state) and meta.json, written into ckpt_{step}.tmp and renamed once all are in; then all but the
+    newest `keep` complete checkpoints and any unfinished .tmp are removed. Collective."""
+    final, t0 = os.path.join(out_dir, f"ckpt_{step:06d}"), time.time()
+    tmp = final + ".tmp"
+    save_weights(model, grid, tmp, args)
+    torch.save(state, os.path.join(tmp, RANK_FILE.format(grid.rank, grid.world_size)))
+    parallel.barrier(grid.world_group, f"checkpoint {step} written")
+    if grid.rank == 0:
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({"step": step, "world_size": grid.world_size, "config": config}, f, indent=1)
+        os.replace(tmp, final)
+        size, dt = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final)) / 1e9, time.time() - t0
+        print(f"checkpoint {final}: {size:.2f} GB in {dt:.1f} s ({size / dt:.2f} GB/s)", flush=True)
+        old = checkpoints(out_dir)[0][:-keep] + [d for d in os.listdir(out_dir) if d.endswith(".tmp")]  # crashes' too
+        for d in old:
+            shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
+    parallel.barrier(grid.world_group, f"checkpoint {step} renamed")
+
+
+def checkpoints(out_dir):
+    """(complete checkpoints, incomplete ones) in out_dir, sorted. save_checkpoint writes ckpt_N.tmp and renames it
+    once every rank's file and meta.json (the last file) are in: a .tmp or a directory without meta.json is a
+    write that did not finish (a crash, a kill -9), never a resume point."""
+    names = sorted(d for d in os.listdir(out_dir) if d.startswith("ckpt_")) if os.path.isdir(out_dir) else []
+    done = [d for d in names if re.fullmatch(r"ckpt_\d+", d) and os.path.exists(os.path.join(out_dir, d, "meta.json"))]
+    return done, [d for d in names if d not in done]
+
+
+def trainer_state(step, opt, **extra):
+    """What a rank saves beside the weights: the optimizer, the RNGs, the step, and the caller's extras."""
+    return {"opt": opt.state_dict(), "torch_rng": torch.get_rng_state(), "py_rng": list(random.getstate()[1]),
+            "step": step, **extra}
+
+
+def load_state(ckpt, grid):
+    """This rank's trainer state of a checkpoint (trainer_state's dict), its RNGs restored; a SystemExit naming the
+    layout when the checkpoint has no file for this rank (the optimizer state is per rank)."""
+    path = os.path.join(ckpt, RANK_FILE.format(grid.rank, grid.world_size))
+    if not os.path.exists(path):
+        written = json.load(open(os.path.join(ckpt, "meta.json"))).get("world_size")
+        raise SystemExit(f"error: {ckpt} was written by {written} ranks, this run has {grid.world_size}: resume with "
+                         f"the same layout (the optimizer state is per rank)")
+    st = torch.load(path, weights_only=True)
+    torch.set_rng_state(st["torch_rng"])
+    random.setstate((3, tuple(st["py_rng"]), None))
+    return st
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """
 The embedded rollout engine: batched generation for model_dsv4 with a real KV cache (kv_cache.py: the cache, and the
-model's prefill and decode through it), continuous batching, and SGLang's sampling and logprob semantics. rollout.py
+model's prefill and decode through it), continuous batching, and SGLang's sampling and logprob semantics. server.py
 serves it over SGLang's HTTP API. On a GPU each batch bucket's decode step is replayed as one CUDA graph.
 
 Logprobs are log_softmax(logits / temperature) over the full vocabulary (log_softmax(logits) when greedy),

@@ -1,11 +1,11 @@
 """
-Failure made loud, bounded and recoverable: the guards train_grpo.py sets up once, and three helpers.
+Failure made loud, bounded and recoverable: the guards train_grpo.py sets up once, and a post-mortem helper. The
+checkpoints a run resumes from are checkpoint.py's.
 
     watchdog = Watchdog(seconds, rank)      # a step over `seconds`: every thread's stack on stderr, exit 124
     preempt = Preemption()                  # SIGTERM / SIGINT: finish the step, checkpoint, exit 128 + signal
     skips = Skips(max_in_a_row)             # skipped steps (non-finite, rollouts failed): stop after N in a row
     report_nonfinite(step, metrics, ...)    # which micro-batch of which rank, saved for a post-mortem
-    checkpoints(out_dir)                    # (complete checkpoints, the others), for resume
 
 What each bounds. A collective with a dead peer fails after dist_timeout (parallel.named says which group, op
 and rank); a collective that never fails (an NCCL kernel spinning on a peer that is alive but stuck) is what the
@@ -13,12 +13,8 @@ watchdog is for. It runs in a thread of its own, so it fires while the main thre
 faulthandler prints the Python stacks of every thread of this rank. `kill -USR1 <pid>` prints them on demand.
 """
 import faulthandler
-import json
 import math
 import os
-import random
-import re
-import shutil
 import signal
 import sys
 import threading
@@ -27,8 +23,6 @@ import time
 import torch
 
 import parallel
-
-RANK_FILE = "trainer_rank{:05d}-of-{:05d}.pt"  # a rank's optimizer / RNG / cursor file in a checkpoint (rank, world)
 
 class Watchdog:
     """arm(what) at the start of a step, disarm() at its end; off when seconds is 0."""
@@ -119,53 +113,3 @@ def report_nonfinite(step, m, mbs, model, rank, out_dir, say_grads):
               f"non-finite gradients in {len(bad)} tensors here, e.g. {bad[:4]}", flush=True)
     return (f"non-finite loss in micro-batch {[i for i, _ in m['nonfinite']]}" if m["nonfinite"]
             else "non-finite gradient norm" if not math.isfinite(m["grad_norm"]) else "non-finite loss on another rank")
-
-
-def save_checkpoint(out_dir, step, save_weights, state, grid, config, keep):
-    """out_dir/ckpt_{step}: the weights (save_weights(dir), every rank), each rank's trainer state (optimizer, RNG,
-    data cursor) and meta.json, written into ckpt_{step}.tmp and renamed once all are in; then all but the newest
-    `keep` complete checkpoints and any unfinished .tmp are removed."""
-    final, t0 = os.path.join(out_dir, f"ckpt_{step:06d}"), time.time()
-    tmp = final + ".tmp"
-    save_weights(tmp)
-    torch.save(state, os.path.join(tmp, RANK_FILE.format(grid.rank, grid.world_size)))
-    parallel.barrier(grid.world_group, f"checkpoint {step} written")
-    if grid.rank == 0:
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({"step": step, "world_size": grid.world_size, "config": config}, f, indent=1)
-        os.replace(tmp, final)
-        size, dt = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final)) / 1e9, time.time() - t0
-        print(f"checkpoint {final}: {size:.2f} GB in {dt:.1f} s ({size / dt:.2f} GB/s)", flush=True)
-        old = checkpoints(out_dir)[0][:-keep] + [d for d in os.listdir(out_dir) if d.endswith(".tmp")]  # crashes' too
-        for d in old:
-            shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
-    parallel.barrier(grid.world_group, f"checkpoint {step} renamed")
-
-
-def checkpoints(out_dir):
-    """(complete checkpoints, incomplete ones) in out_dir, sorted. save_checkpoint writes ckpt_N.tmp and renames it
-    once every rank's file and meta.json (the last file) are in: a .tmp or a directory without meta.json is a
-    write that did not finish (a crash, a kill -9), never a resume point."""
-    names = sorted(d for d in os.listdir(out_dir) if d.startswith("ckpt_")) if os.path.isdir(out_dir) else []
-    done = [d for d in names if re.fullmatch(r"ckpt_\d+", d) and os.path.exists(os.path.join(out_dir, d, "meta.json"))]
-    return done, [d for d in names if d not in done]
-
-
-def trainer_state(step, opt, **extra):
-    """What a rank saves beside the weights: the optimizer, the RNGs, the step, and the caller's extras."""
-    return {"opt": opt.state_dict(), "torch_rng": torch.get_rng_state(), "py_rng": list(random.getstate()[1]),
-            "step": step, **extra}
-
-
-def load_state(ckpt, grid):
-    """This rank's trainer state of a checkpoint (trainer_state's dict), its RNGs restored; a SystemExit naming the
-    layout when the checkpoint has no file for this rank (the optimizer state is per rank)."""
-    path = os.path.join(ckpt, RANK_FILE.format(grid.rank, grid.world_size))
-    if not os.path.exists(path):
-        written = json.load(open(os.path.join(ckpt, "meta.json"))).get("world_size")
-        raise SystemExit(f"error: {ckpt} was written by {written} ranks, this run has {grid.world_size}: resume with "
-                         f"the same layout (the optimizer state is per rank)")
-    st = torch.load(path, weights_only=True)
-    torch.set_rng_state(st["torch_rng"])
-    random.setstate((3, tuple(st["py_rng"]), None))
-    return st

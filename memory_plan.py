@@ -2,14 +2,12 @@
 Memory plan of a parallel layout, computed on the meta device from the real config: per pipeline stage, the
 bytes of weights, gradients, optimizer state (on the GPU or offloaded) and an activation estimate. No hardware.
 
-    python memory_plan.py config/mi355x.py [--world=32] [--gpu_gb=288]
-    python train_grpo.py config/mi355x.py --dry_run=True            # the same table
+    python train_grpo.py config/mi355x.py --dry_run=True     # the config's layout on WORLD_SIZE (else 32) GPUs
+    DRY_RUN_WORLD=64 python train_grpo.py config/mi355x.py --dry_run=True     # on another number of GPUs
 """
-import sys
-
 import torch
 
-from model_dsv4 import ModelArgs, Transformer
+from model_dsv4 import Transformer
 from parallel import stage_layers
 
 
@@ -50,13 +48,3 @@ def plan_table(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n
                      f"| {optim:.1f} | {act:.1f} | {2 * weights + act + optim:.1f} | {2 * weights + act:.1f} |")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
-    cfg = {}
-    exec(open(next(a for a in sys.argv[1:] if not a.startswith("--"))).read(), cfg)
-    world = int(opts.get("world", 32))
-    micro = max(1, cfg["n_prompts"] * cfg["n_samples"] // (world // cfg["pp_size"]) // cfg["n_microbatches"])
-    print(plan_table(ModelArgs.from_json(cfg["model_config"]), cfg["pp_size"], cfg["ep_size"], world, micro,
-                     cfg["max_prompt_len"] + cfg["max_new_tokens"], cfg["recompute"], cfg["n_microbatches"],
-                     float(opts.get("gpu_gb", 288))))

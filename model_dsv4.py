@@ -685,7 +685,7 @@ class Transformer(nn.Module):
         return fuse_projections([block.attn for block in self.layers.values()])
 
     def set_invariant(self, on=True):
-        """Path-invariant numerics (compare_logprobs --invariant, rollout.py --serve --invariant): a token's logprob
+        """Path-invariant numerics (compare_logprobs --invariant, server.py --invariant): a token's logprob
         no longer depends on how it was computed (one full forward, or prefill + KV-cache decode in a batch of any
         size). Every sum and transcendental function in fp64 (dsv4_kernels.invariant.PathInvariant, entered by
         numerics()), with the reference paths (grouped_mm has no fp64). Weights and activations keep their dtype."""

@@ -55,6 +55,11 @@ class Grid:
     def is_last_stage(self):
         return self.pp_rank == self.pp_size - 1
 
+    @property
+    def first_stage_rank(self):
+        """The global rank of this DP replica's first stage (same dp_rank, pp_rank 0): rank - pp_rank * dp."""
+        return self.rank - self.pp_rank * self.dp_size
+
     def __str__(self):
         return (f"rank {self.rank}/{self.world_size} on {self.device}: pp {self.pp_rank}/{self.pp_size} "
                 f"dp {self.dp_rank}/{self.dp_size} ep {self.ep_rank}/{self.ep_size} edp {self.edp_rank}")

@@ -6,8 +6,8 @@ always talks HTTP, to real SGLang servers at scale or to the embedded server (se
     groups = client.generate(prompts, n=8, sampling={"temperature": 0.8, "max_new_tokens": 4096}, seed=step)
     client.update_weights_from_disk(path, "step-12")      # the trainer's weight syncs: weight_sync.py
 
-    python rollout.py --serve --model out/ckpt --port 30000     # the embedded server (see server.py)
-    python rollout.py                                           # self-check: tiny model, server, client, seconds
+    python server.py --model out/ckpt --port 30000     # the embedded server (server.py)
+    python rollout.py                                  # self-check: tiny model, server, client, seconds
 
 Only the standard library: requests run as blocking http.client calls in threads (asyncio.to_thread under
 a semaphore), so there is no aiohttp/requests dependency.
@@ -23,7 +23,8 @@ import subprocess
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 from replay import FIELDS as REPLAY_FIELDS, FLAGS as REPLAY_FLAGS, decode as decode_ids
@@ -52,6 +53,19 @@ def allow_open_files(n):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < n:
         resource.setrlimit(resource.RLIMIT_NOFILE, (n if hard == resource.RLIM_INFINITY else min(n, hard), hard))
+
+
+def background(fn, *args):
+    """fn(*args) in a daemon thread (a call stuck on a dead peer must not keep the trainer alive) -> Future."""
+    fut = Future()
+
+    def run():
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:
+            fut.set_exception(e)
+    threading.Thread(target=run, daemon=True).start()
+    return fut
 
 
 class Unreachable(RuntimeError):
@@ -117,17 +131,14 @@ class RolloutClient:
     bad request, not a bad server: it raises at once. URLs in `stale` (a weight sync did not reach them,
     weight_sync.py) get no requests until a full sync does, however healthy they are.
 
-    With real SGLang 0.5.23 (serving a tiny Llama on the CPU, 2026-12), groups with output logprobs, pause / continue,
-    flush, the weight-update session and disk, distributed and tensor syncs with flattened buckets work unchanged; the
-    rest needs launch flags:
-      --enable-deterministic-inference: without it SGLang silently ignores sampling_seed (a rerun with the same seeds
-          reproduced 0 of 12 samples); with it, draws follow the seed (its claim, unmeasured; not server.py's draws);
-      --enable-return-routed-experts (routing_replay), --enable-return-indexer-topk (indexer_replay; filled on CUDA /
-          NPU only): without them meta_info lacks the field and generate() raises, naming the flag. Their byte layout
-          is read from SGLang's source (replay.py); no payload of a running SGLang has been decoded yet.
-    Only with the embedded server (server.py): its logprobs are the trainer's forward's (fp32: within ~1e-6; both sides
-    set_invariant: bit for bit), its experts and indexer picks the trainer's own on the same sequence in fp32 (replay
-    changes nothing there: tests/test_replay.py), and a sample's tokens a function of its seed alone, whatever batch."""
+    Real SGLang (0.5.23) answers the same calls; the rest needs its launch flags:
+      --enable-deterministic-inference: without it SGLang ignores sampling_seed, and a rerun draws other tokens;
+      --enable-return-routed-experts (routing_replay), --enable-return-indexer-topk (indexer_replay; SGLang fills it on
+          CUDA / NPU only): without them meta_info lacks the field and generate() raises, naming the flag. replay.py
+          reads their byte layout as SGLang's source writes it.
+    Only with the embedded server (server.py): its logprobs are the trainer's forward's (within fp32 rounding; both
+    sides set_invariant: bit for bit), its experts and indexer picks the trainer's own on the same sequence in fp32
+    (tests/test_replay.py), and a sample's tokens a function of its seed alone, whatever the batch."""
 
     def __init__(self, urls, api_key=None, timeout=3600.0, max_concurrency=256, retries=4, backoff=0.5,
                  max_backoff=30.0):
@@ -197,10 +208,10 @@ class RolloutClient:
         its own rid and sampling_seed from (seed, prompt key, sample index) (SGLang's own n > 1 would replace our
         rids and seeds); the key is the prompt's index here unless prompt_keys names it (the trainer passes stream
         positions, so samples do not depend on how prompts were split over DP ranks). One request a group, not one a
-        sample: n times fewer HTTP round trips and handler threads (an eval of 1,600 samples on 2 CPU cores took
-        ~20% longer one a sample), and a server sees the group's shared prompt at once. A request that fails
-        1 + retries times raises, unless partial: then its group's samples are None and the others come back (an
-        eval scores what it got and says what it lost; training wants whole groups). max_concurrency counts samples.
+        sample: n times fewer HTTP round trips and handler threads, and a server sees the group's shared prompt at
+        once. A request that fails 1 + retries times raises, unless partial: then its group's samples are None and
+        the others come back (an eval scores what it got and says what it lost; training wants whole groups).
+        max_concurrency counts samples.
         A plain function: it runs its own asyncio loop, so it cannot be called from inside a running one."""
         if sampling.get("n", 1) != 1:
             raise ValueError("sampling['n'] must stay 1: pass n to generate() instead")
@@ -285,9 +296,7 @@ class RolloutClient:
     def health(self, timeout=30.0):
         """GET /health on every URL -> {url: ok}. A passing URL is back in rotation; a failing one is out for
         a backoff, its error in last_error."""
-        check = lambda url: self._call(url, "GET", "/health", timeout=timeout)[1]
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            errors = dict(zip(self.urls, pool.map(check, self.urls)))
+        errors = {u: fut.result()[1] for u, fut in self.each("/health", method="GET", timeout=timeout).items()}
         for url, err in errors.items():
             if err is None:
                 self.fails[url], self.down_until[url] = 0, 0.0
@@ -295,11 +304,21 @@ class RolloutClient:
                 self._mark_down(url, err)
         return {u: err is None for u, err in errors.items()}
 
+    def each(self, path, body=None, method="POST", urls=None, timeout=None, bodies=None):
+        """The same call on every server (or on those in urls) at once, each in a daemon thread of its own (a call
+        stuck on a dead server must not keep the trainer alive) -> {url: Future of (JSON answer or None, error or
+        None)}. bodies: {url: its body}, in place of one body for all. No retries, and nothing raises: the caller
+        decides what a failure means (weight_sync.py: a sync that failed there; _fanout below: an error)."""
+        if urls is None:
+            urls = self.urls
+        if bodies is None:
+            bodies = dict.fromkeys(urls, body)
+        return {u: background(self._call, u, method, path, bodies[u], timeout) for u in urls}
+
     def _fanout(self, method, path, body=None):
-        """The same call on every URL at once -> {url: response}. No retries: an admin call that failed on
-        one server leaves the servers out of step, so it raises, naming every URL that failed and why."""
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            results = dict(zip(self.urls, pool.map(lambda u: self._call(u, method, path, body), self.urls)))
+        """each(), waited for -> {url: response}. An admin call that failed on one server leaves the servers out of
+        step, so it raises, naming every URL that failed and why."""
+        results = {u: fut.result() for u, fut in self.each(path, body, method).items()}
         failed = "".join(f"\n  {u}: {err}" for u, (_, err) in results.items() if err)
         if failed:
             raise RuntimeError(f"{method} {path} failed on:{failed}")
@@ -325,7 +344,8 @@ class RolloutClient:
         return self._fanout("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
     def post_all(self, path, body):
-        """Any other POST endpoint on every server (weight_sync.py posts on its own, with its own failure rules)."""
+        """Any other POST endpoint on every server, raising on a failure (weight_sync.py calls each() itself: it has
+        failure rules of its own)."""
         return self._fanout("POST", path, body)
 
 
@@ -348,7 +368,7 @@ class LocalClient:
 
 
 class EmbeddedServer:
-    """The embedded server (`python rollout.py --serve`) as a child process on a free local port, for a trainer
+    """The embedded server (`python server.py`) as a child process on a free local port, for a trainer
     given no SGLang URLs. Killed when the trainer exits, a crash included; it also exits when the trainer is gone
     (--parent-pid)."""
     def __init__(self, model_dir, flags):
@@ -356,8 +376,9 @@ class EmbeddedServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url, self.proc = f"http://127.0.0.1:{self.port}", None
-        self.cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--model", model_dir, "--port",
-                    str(self.port), "--parent-pid", str(os.getpid()), *flags]
+        server_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
+        self.cmd = [sys.executable, server_py, "--model", model_dir, "--port", str(self.port), "--parent-pid",
+                    str(os.getpid()), *flags]
         atexit.register(lambda: self.proc is not None and self.proc.poll() is None and self.proc.kill())
 
     def start(self, version):
@@ -374,49 +395,11 @@ class EmbeddedServer:
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    import argparse
-    p = argparse.ArgumentParser(description="--serve: the embedded SGLang-compatible server; else a self-check")
-    p.add_argument("--serve", action="store_true")
-    p.add_argument("--model", help="checkpoint directory (checkpoint.save_pretrained layout)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on the ready line)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--quant", default="none", choices=["none", "fp8", "fp8_fp4"],
-                   help="serve from the official FP8 (and FP4 routed experts) tensors (server.py)")
-    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
-    p.add_argument("--fp8-emu", action="store_true", help="FP8 activations, KV and indexer FP4 (set_fp8_emulation)")
-    p.add_argument("--invariant", action="store_true", help="path-invariant numerics (compare_logprobs --invariant)")
-    p.add_argument("--kernels", default="auto", help="auto | fast | reference | path names, comma-separated: the fast "
-                   "paths to take (kernel_check.py; auto checks them on this GPU)")
-    p.add_argument("--compile", default="off", choices=["off", "layers"],
-                   help="torch.compile each layer's prefill and decode step, the head and the sampler (GPU only)")
-    p.add_argument("--compile-cache", default="out/compile_cache", help="inductor's and Triton's compile caches "
-                   "(TORCHINDUCTOR_CACHE_DIR wins; an embedded server inherits its trainer's)")
-    p.add_argument("--enable-return-routed-experts", dest="record", action="append_const", const="routed_experts",
-                   default=[], help="record each token's experts, for return_routed_experts (routing replay)")
-    p.add_argument("--enable-return-indexer-topk", dest="record", action="append_const", const="indexer_topk",
-                   help="record each CSA layer's indexer picks, for return_indexer_topk (indexer replay, replay.py)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--max-len", type=int, default=4096)
-    p.add_argument("--weight-version", default="default", help="the version stamped on samples until an update")
-    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the trainer) is gone")
-    args = p.parse_args()
-    import server
-    import torch
-    if args.serve:
-        if not args.model:
-            p.error("--serve needs --model")
-        if args.invariant and args.compile != "off":
-            p.error("--invariant runs eager (a Python dispatch mode per op): leave --compile off")
-        if args.compile == "layers" and (args.device == "cpu" or not torch.cuda.is_available()):
-            p.error("--compile layers needs a GPU: inductor's C++ code for the decode step does not build on the CPU")
-        allow_open_files(65536)  # a socket per request in flight
-        server.serve(args)
-        sys.exit(0)
-    # Self-check on CPU in seconds: a tiny random model behind the embedded server; the client's logprobs
-    # equal the training forward's, and the seeds make a rerun draw the same tokens.
+    # Self-check on CPU in seconds: a tiny random model behind the embedded server, started as the trainer starts it
+    # (EmbeddedServer: `python server.py`); the client's logprobs equal the training forward's, and the seeds make a
+    # rerun draw the same tokens.
     import tempfile
+    import torch
     from checkpoint import save_pretrained
     from model_dsv4 import ModelArgs, Transformer
     t0 = time.time()
@@ -424,8 +407,9 @@ if __name__ == "__main__":
                                   num_nextn_predict_layers=0, num_hash_layers=1), dtype=torch.float32)
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(model, d)
-        srv = server.start(d, port=0, dtype=torch.float32, device="cpu", max_batch=16, max_len=256)
-    client = RolloutClient(srv.url)
+        srv = EmbeddedServer(d, ["--dtype", "float32", "--device", "cpu", "--max-batch", "16", "--max-len", "256"])
+        client = RolloutClient(srv.start("default").url)
+        client.wait_ready(timeout=300, server=srv)  # it has read the weights: the directory may go
     prompts = [torch.randint(2, 512, (n,)).tolist() for n in (3, 20, 41)]
     sampling = {"temperature": 0.7, "max_new_tokens": 24}
     groups = client.generate(prompts, n=4, sampling=sampling, seed=0)
@@ -443,6 +427,6 @@ if __name__ == "__main__":
     print(f"{len(prompts)} prompts x 4 samples, {n_tok} tokens from {srv.url}; weight_version "
           f"{groups[0][0]['weight_version']}; server vs forward logprobs max |diff| {worst:.2e}; "
           f"same seeds, same tokens: {same}")
-    srv.close()
+    srv.proc.terminate()
     assert worst < 1e-4 and same, "self-check failed"
     print(f"self-check passed in {time.time() - t0:.1f}s")

@@ -3,7 +3,7 @@ The embedded rollout server: the subset of SGLang's native HTTP API that the tra
 JSON shapes, on the standard library's ThreadingHTTPServer. Generation is
 engine.py's: one scheduler thread runs engine.run_forever and batches whatever the handler threads submit.
 
-    python rollout.py --serve --model out/ckpt --port 30000 --dtype float32 --device cpu
+    python server.py --model out/ckpt --port 30000 --dtype float32 --device cpu
     srv = server.start(model_or_checkpoint_dir, port=0); srv.url; srv.close()     # in-process (trainer, tests)
 
 Weight updates (sessions, disk, process-group and tensor updates, quantized serving): server_weights.py.
@@ -12,6 +12,7 @@ Not implemented: text prompts and stop strings (no tokenizer), streaming, input/
 constrained decoding (400 with a message), custom weight loaders (400).
 """
 import contextlib
+import functools
 import hmac
 import ipaddress
 import json
@@ -50,6 +51,8 @@ SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids"
              # these shape the detokenized text only, and there is none: accepted, no effect
              "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
 NEUTRAL = {"repetition_penalty": 1, "beam_width": 1}  # else null, false, 0, "", [] or {} mean "off"
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "n": 1, "max_new_tokens": 128, "stop_token_ids": [],
+                     "ignore_eos": False}  # SGLang's, for a key not given or null
 # top-level fields that would ask for something we cannot give; other unknown fields are ignored, as SGLang does
 UNSUPPORTED = ["text", "input_embeds", "stream", "top_logprobs_num", "token_ids_logprob", "return_hidden_states",
                "return_sampling_mask", "return_prompt_token_ids", "session_params",
@@ -120,9 +123,15 @@ class Server:
             check(k in SUPPORTED or v in (None, False, 0, "", [], {}) or v == NEUTRAL.get(k),
                   f"sampling_params.{k}={v!r} is not supported by the embedded server (no tokenizer, no grammar "
                   f"backend, no penalties): send token ids and stop_token_ids")
-        get = lambda k, default: default if sp.get(k) is None else sp[k]
-        T, top_p, top_k, n = get("temperature", 1.0), get("top_p", 1.0), get("top_k", -1), get("n", 1)
-        max_new, stop, seed = get("max_new_tokens", 128), get("stop_token_ids", []), sp.get("sampling_seed")
+        given = {k: v for k, v in sp.items() if v is not None}  # null means the default, as in SGLang
+        sp = {**SAMPLING_DEFAULTS, **given}
+        T = sp["temperature"]
+        top_p = sp["top_p"]
+        top_k = sp["top_k"]
+        n = sp["n"]
+        max_new = sp["max_new_tokens"]
+        stop = sp["stop_token_ids"]
+        seed = sp.get("sampling_seed")
         check(is_num(T) and T >= 0, f"sampling_params.temperature must be a number >= 0, got {T!r}")
         check(is_num(top_p) and 0 < top_p <= 1, f"sampling_params.top_p must be in (0, 1], got {top_p!r}")
         check(is_int(top_k) and (top_k == -1 or top_k >= 1), f"sampling_params.top_k must be -1 or >= 1, got {top_k!r}")
@@ -131,11 +140,11 @@ class Server:
         check(isinstance(stop, list) and all(map(is_int, stop)), "sampling_params.stop_token_ids: a list of ints")
         check(seed is None or is_int(seed) and 0 <= seed < 2 ** 63, f"sampling_params.sampling_seed must be an int "
               f"in [0, 2^63), got {seed!r}")
-        check(isinstance(get("ignore_eos", False), bool), "sampling_params.ignore_eos must be a bool")
+        check(isinstance(sp["ignore_eos"], bool), "sampling_params.ignore_eos must be a bool")
         check(prompt_len + max_new <= self.max_len, f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) "
               f"exceeds the server's max_len ({self.max_len})")
         return SamplingParams(temperature=float(T), top_p=float(top_p), top_k=top_k, max_new_tokens=max_new,
-                              stop_token_ids=tuple(stop), ignore_eos=get("ignore_eos", False), seed=seed), n
+                              stop_token_ids=tuple(stop), ignore_eos=sp["ignore_eos"], seed=seed), n
 
     def generate(self, body, handler):
         asked = sorted(k for k in UNSUPPORTED if body.get(k) not in (None, False, 0, "", []))
@@ -151,8 +160,13 @@ class Server:
         B = len(prompts)
         if B > MAX_ITEMS:
             raise BadRequest(f"{B} prompts in one request: at most {MAX_ITEMS} sequences", 413)
-        sps, lps, rids = body.get("sampling_params") or {}, body.get("return_logprob") or False, body.get("rid")
-        sps, lps = sps if isinstance(sps, list) else [sps] * B, lps if isinstance(lps, list) else [lps] * B
+        sps = body.get("sampling_params") or {}
+        if not isinstance(sps, list):  # one for every prompt
+            sps = [sps] * B
+        lps = body.get("return_logprob") or False
+        if not isinstance(lps, list):
+            lps = [lps] * B
+        rids = body.get("rid")
         if rids is None:
             rids = [uuid.uuid4().hex for _ in range(B)]
         elif isinstance(rids, str):  # SGLang expands a batch's str rid to rid_i
@@ -191,8 +205,8 @@ class Server:
     def wait(self, reqs, handler):
         """Until every request is done, or the client hung up (499: nothing is sent), or the scheduler thread
         died (503 rather than a hang), each looked at every 2 s. Not more often: every waiting handler thread wakes
-        to look, and with 4,000 requests in flight, waking 4 times a second, they starved the scheduler thread of the
-        GIL (bench/server_load.py: 24-72 s for 4,000 requests, 6-7 s at 2 s)."""
+        to look, and with thousands of requests in flight, waking several times a second, they starve the scheduler
+        thread of the GIL (bench/server_load.py measures it)."""
         for req in reqs:
             while not req.done.wait(2.0):
                 if not self.loop.is_alive():
@@ -270,7 +284,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def __getattr__(self, name):  # do_GET, do_POST, any method: dispatch answers 405 or 404, not http.server's 501
         if name.startswith("do_"):
-            return lambda: self.dispatch(name[3:])
+            return functools.partial(self.dispatch, name[3:])
         raise AttributeError(name)
 
     def log_message(self, *args):  # one line per request would drown the log; errors print their traceback
@@ -282,7 +296,10 @@ class Handler(BaseHTTPRequestHandler):
             # refused or not, the body is read first: answering early and closing a socket that still holds unread
             # bytes sends a reset, which can destroy the answer before the client reads it
             refused = self.refused(app, path)
-            raw = self.read_body(MAX_TENSOR_BODY if path == "/update_weights_from_tensor" and not refused else MAX_BODY)
+            limit = MAX_BODY
+            if path == "/update_weights_from_tensor" and not refused:
+                limit = MAX_TENSOR_BODY
+            raw = self.read_body(limit)
             if refused:
                 raise refused
             if path not in app.routes:
@@ -398,8 +415,9 @@ def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None
         for k, v in model.state_dict().items():
             if quant_format(k, quant):
                 pair = {n: stored[n] for n in (k, scale_name(k)) if n in stored}
-                named.update(pair if len(pair) == 2 and pair[k].dtype == w.qformats[k][1] else
-                             quantize_tensor(k, v.float(), quant))
+                if len(pair) != 2 or pair[k].dtype != w.qformats[k][1]:
+                    pair = quantize_tensor(k, v.float(), quant)
+                named.update(pair)
         w.load(w.checked(named, every=False), None, flush=False, rebuild=True)
     httpd.app.loop.start()
     if background:
@@ -425,7 +443,8 @@ def exit_with(pid):
 
 
 def serve(args):
-    """`python rollout.py --serve ...`: one ready line with the URL, then serve until Ctrl-C or SIGTERM."""
+    """`python server.py ...` (the command line below): one ready line with the URL, then serve until Ctrl-C or
+    SIGTERM."""
     compile_policy.use_compile(args.compile, args.compile_cache)  # before the engine: its first decode steps compile
     httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
                   args.max_batch, args.max_len, background=False, quant=args.quant, fp8_emu=args.fp8_emu,
@@ -444,10 +463,14 @@ def serve(args):
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
     if args.parent_pid:  # an embedded server outliving its trainer would hold the port and the memory
         threading.Thread(target=exit_with, args=(args.parent_pid,), daemon=True, name="parent-watch").start()
-    print(f"rollout server ready at {httpd.url} (model {os.path.abspath(args.model)}, {args.dtype}, quant {args.quant}"
-          f"{' + fp8 emulation' if args.fp8_emu else ''}{', invariant' if args.invariant else ''}"
-          f"{f', compile {args.compile}' if args.compile != 'off' else ''}, "
-          f"{httpd.app.engine.device}, pid {os.getpid()})", flush=True)
+    what = f"model {os.path.abspath(args.model)}, {args.dtype}, quant {args.quant}"
+    if args.fp8_emu:
+        what += " + fp8 emulation"
+    if args.invariant:
+        what += ", invariant"
+    if args.compile != "off":
+        what += f", compile {args.compile}"
+    print(f"rollout server ready at {httpd.url} ({what}, {httpd.app.engine.device}, pid {os.getpid()})", flush=True)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:
@@ -457,3 +480,42 @@ def serve(args):
         httpd.app.close()
         with contextlib.suppress(OSError):  # whoever read our stdout is gone (the parent that started us, say)
             print("rollout server stopped", flush=True)
+
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    import argparse
+    from rollout import allow_open_files  # the client's limit too: a socket per request in flight
+    p = argparse.ArgumentParser(description="The embedded SGLang-compatible rollout server")
+    p.add_argument("--model", required=True, help="checkpoint directory (checkpoint.save_pretrained layout)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on the ready line)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--quant", default="none", choices=["none", "fp8", "fp8_fp4"],
+                   help="serve from the official FP8 (and FP4 routed experts) tensors")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    p.add_argument("--fp8-emu", action="store_true", help="FP8 activations, KV and indexer FP4 (set_fp8_emulation)")
+    p.add_argument("--invariant", action="store_true", help="path-invariant numerics (compare_logprobs --invariant)")
+    p.add_argument("--kernels", default="auto", help="auto | fast | reference | path names, comma-separated: the fast "
+                   "paths to take (kernel_check.py; auto checks them on this GPU)")
+    p.add_argument("--compile", default="off", choices=["off", "layers"],
+                   help="torch.compile each layer's prefill and decode step, the head and the sampler (GPU only)")
+    p.add_argument("--compile-cache", default="out/compile_cache", help="inductor's and Triton's compile caches "
+                   "(TORCHINDUCTOR_CACHE_DIR wins; an embedded server inherits its trainer's)")
+    p.add_argument("--enable-return-routed-experts", dest="record", action="append_const", const="routed_experts",
+                   default=[], help="record each token's experts, for return_routed_experts (routing replay)")
+    p.add_argument("--enable-return-indexer-topk", dest="record", action="append_const", const="indexer_topk",
+                   help="record each CSA layer's indexer picks, for return_indexer_topk (indexer replay, replay.py)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--weight-version", default="default", help="the version stamped on samples until an update")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the trainer) is gone")
+    args = p.parse_args()
+    if args.invariant and args.compile != "off":
+        p.error("--invariant runs eager (a Python dispatch mode per op): leave --compile off")
+    if args.compile == "layers" and (args.device == "cpu" or not torch.cuda.is_available()):
+        p.error("--compile layers needs a GPU: inductor's C++ code for the decode step does not build on the CPU")
+    allow_open_files(65536)  # a socket per request in flight
+    serve(args)

@@ -25,6 +25,7 @@ Where this differs from the GRPO paper (Shao et al. 2024), each a common choice 
   - one optimizer step per rollout by default (strictly on-policy: ratio 1 at the step), several with n_minibatches;
   - the reward is 0/1 (eval_aime.math_reward, the same grader as evaluation), optionally with DAPO's overlong penalty.
 """
+import functools
 import json
 import math
 import os
@@ -36,6 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import faults
 import compile_policy
 import parallel
@@ -45,7 +47,6 @@ import weight_sync as wsync
 from eval_aime import evaluate, load_problems, math_reward, overlong_penalty, summary
 import grpo
 from grpo import deal, group_advantages, inert_group, keep_group, make_microbatches
-from checkpoint import load_weights
 from kernel_check import choose as choose_kernels
 from model_dsv4 import ModelArgs, length_multiple, pack_multiple
 from optimizer import AdamW, lr_at
@@ -59,7 +60,7 @@ seed = 1337
 max_steps = 30
 dry_run = False  # build the layout on the meta device, print the per-rank memory plan, exit
 # model
-init_from = ''  # '': the SFT base in out_dir/base (train_sft.py sft_config makes it first) | 'scratch' | a checkpoint dir
+init_from = ''  # '': the SFT base in out_dir/base (train_sft.py sft_config makes it) | 'scratch' | a checkpoint dir
 sft_config = 'config/sft_micro.py'  # init_from='': the base's recipe, for train_sft.py
 model_config = 'config/models/micro.json'  # init_from='scratch': the architecture
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
@@ -67,21 +68,23 @@ kernels = 'auto'  # 'auto': the fast paths (dsv4_kernels/) that pass kernel_chec
 compile = 'off'  # 'layers': the trainer's layers, head and loss torch.compiled (compile_policy.py)
 rollout_compile = 'off'  # the embedded server: 'off' replays CUDA graphs of its eager decode; 'layers' compiles first
 compile_cache = 'out/compile_cache'  # inductor / Triton caches for the next launch (TORCHINDUCTOR_CACHE_DIR wins)
-invariant = False  # trainer and embedded server path-invariant (model.set_invariant): rollout logprobs equal the trainer's bit for bit; slow
+invariant = False  # trainer and embedded server path-invariant (model.set_invariant): logprobs equal bit for bit; slow
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the math and toy tasks, else 'deepseek-v4'
 resume = False  # continue from the newest complete checkpoint in out_dir
 # parallel layout (tensor parallel is fixed at 1)
-pp_size, ep_size = 1, 1
+pp_size = 1  # pipeline stages
+ep_size = 1  # expert-parallel ranks, carved out of data parallel
 pp_layers = ''  # e.g. '11,11,11,10'; '' = balanced
 n_microbatches = 1  # per DP rank; the default trains its batch at once (fewer, bigger ops); PP wants several
-recompute, optimizer_offload = False, False
+recompute = False  # recompute each layer's activations in backward instead of keeping them
+optimizer_offload = False  # AdamW's fp32 master weights and moments in host memory
 pack_samples = True  # several samples a row, kept apart (grpo.pack_rows): fewer padded tokens than a sample a row
 dist_timeout = 600  # seconds before a stuck collective fails (every process group; weight-sync calls too)
 watchdog_s = 0  # > 0: a step running longer prints every thread's stack on each rank and exits 124 (faults.py)
 max_consecutive_skips = 3  # steps skipped in a row (non-finite loss or gradient, rollouts failed) that stop the run
 # rollout
 rollout_url = ''  # '' = start the embedded server; else comma-separated SGLang URLs
-rollout_api_key = ''
+rollout_api_key = ''  # the servers' --api-key, if they have one
 rollout_timeout = 3600.0  # seconds one /generate request may take before it is retried elsewhere
 weight_sync = 'disk'  # 'disk' | 'distributed' | 'tensor' (servers on this machine: CUDA IPC; weight_sync.py)
 weight_sync_bucket_mb = 512  # distributed, tensor: bytes per bucket, the most one rank gathers at a time
@@ -93,62 +96,104 @@ rollout_concurrency = 0  # /generate requests in flight a server (0: max(256, ro
 # data and sampling
 data = 'math'  # 'math' (tasks.py: RL prompts), 'toy', a .jsonl / .parquet path, or a hub dataset name
 eval_data = 'math'  # 'math': the task's fixed held-out set of n_test problems
-math_steps, math_digits, math_ops, math_words = 2, 1, '+-', 0.0  # the math task's knobs, as in sft_config
-n_rl, n_test = 400, 200  # the math task: RL prompts (a pool SFT never sees), held-out problems (fixed)
-n_prompts, n_samples = 16, 8  # groups per step (all DP ranks together), samples per prompt
-max_prompt_len, max_new_tokens = 1024, 64
-temperature, top_p = 1.0, 1.0
-eval_temperature, eval_top_p = 1.0, 1.0
+math_steps = 2  # the math task: operations per problem (its knobs as in sft_config)
+math_digits = 1  # the math task: digits per operand
+math_ops = '+-'  # the math task: operations drawn from '+-*'
+math_words = 0.0  # the math task: share of word problems
+n_rl = 400  # the math task: RL prompts (a pool SFT never sees)
+n_test = 200  # the math task: held-out problems (fixed)
+n_prompts = 16  # groups per step (all DP ranks together)
+n_samples = 8  # samples per prompt: a group
+max_prompt_len = 1024  # prompt tokens kept (the last ones)
+max_new_tokens = 64  # tokens a sample may generate
+temperature = 1.0  # rollout sampling temperature
+top_p = 1.0  # rollout nucleus sampling (1: the full vocabulary, as the trainer's logprobs are)
+eval_temperature = 1.0  # held-out eval sampling temperature
+eval_top_p = 1.0  # held-out eval nucleus sampling
 # GRPO
 lr = 1e-4  # the micro base's (3e-4 and up undo it in a few steps); RL on a large pretrained model uses ~1e-6
 trainable = 'all'  # 'all' | 'io' (embeddings, output head, final norms: for a model whose body is random)
 lr_schedule = 'constant'  # 'constant' | 'cosine'
-warmup_steps, min_lr_ratio = 0, 0.1
-weight_decay, grad_clip = 0.0, 1.0
-eps_low, eps_high = 0.2, 0.28  # clip-higher (DAPO): the ratio's clip range is [1 - eps_low, 1 + eps_high]
+warmup_steps = 0  # steps of linear warm-up
+min_lr_ratio = 0.1  # cosine: the last step's lr, a share of lr
+weight_decay = 0.0  # AdamW's decoupled weight decay
+grad_clip = 1.0  # the global gradient norm's cap (0: off)
+eps_low = 0.2  # clip-higher (DAPO): the ratio's clip range is [1 - eps_low, 1 + eps_high]
+eps_high = 0.28  # clip-higher (DAPO): the upper side
 tis_cap = 2.0  # 0 turns truncated importance sampling off
-kl_coef, entropy_coef = 0.0, 0.0
+kl_coef = 0.0  # the k3 KL penalty against the frozen start (0: off, no reference model)
+entropy_coef = 0.0  # an entropy bonus in the loss (0: off)
 loss_agg = 'seq_mean_token_mean'  # | 'token_mean'
 n_minibatches = 1  # optimizer steps per rollout; > 1 recomputes the old-policy logprobs first
-dynamic_sampling, max_sampling_rounds = True, 4  # drop flat groups; rounds of sampling to refill the batch
-max_oversample = 2.0  # a round draws as many prompts as the last step's kept share says it needs, at most this many times
-overlong_buffer, overlong_factor = 0, 1.0  # DAPO overlong penalty over the last overlong_buffer tokens (0 = off)
-freeze_router = False  # True: the router gate stays as it was (large-MoE RL recipes freeze it); its bias is never trained
-routing_replay, indexer_replay = False, False  # train through the engine's experts (R3) / CSA indexer picks: replay.py
+dynamic_sampling = True  # drop flat groups (rewards all equal) and draw more prompts to refill the batch
+max_sampling_rounds = 4  # rounds of sampling to refill the batch
+max_oversample = 2.0  # a round draws the prompts the last step's kept share says it needs, at most this many times
+overlong_buffer = 0  # DAPO overlong penalty over the last overlong_buffer tokens (0 = off)
+overlong_factor = 1.0  # the overlong penalty at max_new_tokens
+freeze_router = False  # True: the router gate stays as it was (large-MoE RL recipes freeze it); its bias never trains
+routing_replay = False  # train through the engine's experts (R3): replay.py
+indexer_replay = False  # train through the engine's CSA indexer picks: replay.py
 # logging, eval, checkpoints
 eval_interval = 15  # evals before steps 0, 15, 30, ... and after the last
-eval_n_samples, eval_limit = 8, 0  # samples a problem; the first eval_limit problems (0: all)
-checkpoint_interval, keep_checkpoints = 20, 2
-wandb_log, wandb_project = False, 'nano-dsv4-rl'
+eval_n_samples = 8  # eval samples a problem
+eval_limit = 0  # evaluate the first eval_limit problems (0: all)
+checkpoint_interval = 20  # steps between checkpoints (and the last step); 0: none
+keep_checkpoints = 2  # complete checkpoints kept, the newest
+wandb_log = False  # log to wandb (offline without WANDB_API_KEY)
+wandb_project = 'nano-dsv4-rl'
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+
+
+def load_task(name, split, key):
+    """The problems of data or eval_data (key: which one, for its errors); the math task's test set is fixed for any
+    seed."""
+    knobs = dict(steps=math_steps, digits=math_digits, ops=math_ops, words=math_words)
+    if name == 'toy':
+        return toy_problems()
+    if name != 'math':
+        return load_problems(name, split, key=key)
+    if split == 'train':
+        return math_problems('rl', n_rl, seed, **knobs)
+    return math_problems('test', n_test, **knobs)
+
+
 try:  # bad config is a usage error: say it and exit 2, before anything is built
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
-    for _k, _ok in dict(dtype=('float32', 'bfloat16'), trainable=('all', 'io'), loss_agg=('seq_mean_token_mean',
-                        'token_mean'), weight_sync=('disk', 'distributed', 'tensor'), rollout_quant=('none', 'fp8',
-                        'fp8_fp4'), lr_schedule=('constant', 'cosine'), kernels=('auto', 'fast', 'reference'),
-                        compile=('off', 'layers'), rollout_compile=('off', 'layers')).items():
+    choices = {  # a key's allowed values
+        'dtype': ('float32', 'bfloat16'),
+        'trainable': ('all', 'io'),
+        'loss_agg': ('seq_mean_token_mean', 'token_mean'),
+        'weight_sync': ('disk', 'distributed', 'tensor'),
+        'rollout_quant': ('none', 'fp8', 'fp8_fp4'),
+        'lr_schedule': ('constant', 'cosine'),
+        'kernels': ('auto', 'fast', 'reference'),
+        'compile': ('off', 'layers'),
+        'rollout_compile': ('off', 'layers'),
+    }
+    positive = ['n_prompts', 'n_samples', 'max_prompt_len', 'max_new_tokens', 'n_microbatches', 'n_minibatches',
+                'rollout_max_batch', 'pp_size', 'ep_size', 'eval_n_samples', 'max_sampling_rounds', 'n_rl', 'n_test',
+                'weight_sync_bucket_mb']  # a zero batch divides by zero, a zero-row server never schedules
+    at_least_0 = ['max_steps', 'warmup_steps', 'eval_interval', 'checkpoint_interval', 'eval_limit', 'watchdog_s',
+                  'overlong_buffer', 'rollout_concurrency']
+    for _k, _ok in choices.items():
         if globals()[_k] not in _ok:
             raise ValueError(f"{_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}")
-    for _k, _least in dict(n_prompts=1, n_samples=1, max_prompt_len=1, max_new_tokens=1, n_microbatches=1,
-                           n_minibatches=1, rollout_max_batch=1, pp_size=1, ep_size=1, eval_n_samples=1,
-                           max_sampling_rounds=1, max_steps=0, warmup_steps=0, eval_interval=0, n_rl=1, n_test=1,
-                           checkpoint_interval=0, eval_limit=0, watchdog_s=0, overlong_buffer=0, rollout_concurrency=0,
-                           weight_sync_bucket_mb=1e-6).items():
-        if globals()[_k] < _least:  # a zero batch divides by zero, a zero-row server never schedules
-            raise ValueError(f"{_k}={globals()[_k]!r}: must be {'positive' if _least else 'at least 0'}")
+    for _k in positive:
+        if not globals()[_k] > 0:
+            raise ValueError(f"{_k}={globals()[_k]!r}: must be positive")
+    for _k in at_least_0:
+        if globals()[_k] < 0:
+            raise ValueError(f"{_k}={globals()[_k]!r}: must be at least 0")
     if max_oversample < 1:
-        raise ValueError(f"max_oversample={max_oversample!r}: must be at least 1 (1: draw only the groups still needed)")
+        raise ValueError(f"max_oversample={max_oversample!r}: must be at least 1 (1: draw only the groups needed)")
     for _k in ('compile', 'rollout_compile'):
         if invariant and globals()[_k] != 'off':  # a Python dispatch mode per op; compiled graphs would bypass it
             raise ValueError(f"invariant=True runs eager: set {_k}='off'")
         if globals()[_k] == 'layers' and not dry_run and not torch.cuda.is_available():  # inductor's C++: no CPU build
             raise ValueError(f"{_k}='layers' needs a GPU; on the CPU use {_k}='off'")
-    knobs = dict(steps=math_steps, digits=math_digits, ops=math_ops, words=math_words)
-    load = lambda name, split, key: (toy_problems() if name == 'toy' else load_problems(name, split, key=key)
-                                     if name != 'math' else math_problems('rl', n_rl, seed, **knobs) if split == 'train'
-                                     else math_problems('test', n_test, **knobs))  # the test set: fixed for any seed
     if not dry_run:  # read now: data that is not there stops the run before a base is trained or any model built
-        problems, eval_problems = load(data, 'train', 'data'), load(eval_data, 'test', 'eval_data')[:eval_limit or None]
+        problems = load_task(data, 'train', 'data')
+        eval_problems = load_task(eval_data, 'test', 'eval_data')[:eval_limit or None]
 except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -157,8 +202,10 @@ t_start = time.time()
 
 # -----------------------------------------------------------------------------
 # the base, then distributed init: bad input stops here, before anything is built
-ckpt_dirs = lambda: faults.checkpoints(out_dir)[0]  # complete ones only, oldest first
-resume_dir = os.path.join(out_dir, ckpt_dirs()[-1]) if resume and ckpt_dirs() else None
+complete = checkpoint.checkpoints(out_dir)[0]  # oldest first
+resume_dir = None
+if resume and complete:
+    resume_dir = os.path.join(out_dir, complete[-1])
 base_dir = os.path.join(out_dir, 'base')
 if not init_from and not resume_dir and not dry_run and not os.path.isfile(os.path.join(base_dir, 'config.json')):
     if int(os.environ.get('WORLD_SIZE', 1)) > 1:  # one process makes the base; ranks would each start one
@@ -172,13 +219,24 @@ if not init_from and not resume_dir and not dry_run and not os.path.isfile(os.pa
         sft_cmd.append('--n_test=0')
     if subprocess.run(sft_cmd).returncode:
         sys.exit(f"error: train_sft.py failed; the base in {base_dir} was not made")
-model_dir = resume_dir or (None if init_from == 'scratch' or dry_run else init_from or base_dir)  # dry run: model_config
+if resume_dir:
+    model_dir = resume_dir
+elif init_from == 'scratch' or dry_run:
+    model_dir = None  # the architecture of model_config
+else:
+    model_dir = init_from or base_dir
 try:
     if model_dir and not os.path.isfile(os.path.join(model_dir, 'config.json')):
         raise ValueError(f"init_from={model_dir!r} is not a checkpoint directory (no config.json in it)")
     args = ModelArgs.from_json(os.path.join(model_dir, 'config.json') if model_dir else model_config)
-    tok = load_tokenizer(tokenizer or (model_dir if model_dir and os.path.exists(os.path.join(model_dir, 'tokenizer.json'))
-                                       else 'bytes' if data in ('math', 'toy') else 'deepseek-v4'))
+    tok_name = tokenizer
+    if not tok_name and model_dir and os.path.exists(os.path.join(model_dir, 'tokenizer.json')):
+        tok_name = model_dir
+    elif not tok_name and data in ('math', 'toy'):
+        tok_name = 'bytes'
+    elif not tok_name:
+        tok_name = 'deepseek-v4'
+    tok = load_tokenizer(tok_name)
     if tok.vocab_size > args.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids, more than the model's vocab_size {args.vocab_size}")
 except ValueError as e:
@@ -193,9 +251,17 @@ if dry_run:  # the layout of the whole job on the meta device, no hardware: WORL
     sys.exit(0)
 grid = parallel.init_distributed(pp_size, ep_size, timeout_s=dist_timeout)
 master = grid.rank == 0
-watchdog, preempt, skips = faults.Watchdog(watchdog_s, grid.rank), faults.Preemption(), faults.Skips(max_consecutive_skips)
+watchdog = faults.Watchdog(watchdog_s, grid.rank)
+preempt = faults.Preemption()
+skips = faults.Skips(max_consecutive_skips)
 is_logger = grid.is_last_stage and grid.dp_rank == 0  # the loss lives on the last stage
-print0 = lambda *a: print(*a, flush=True) if master else None
+
+
+def print0(*a):
+    if master:
+        print(*a, flush=True)
+
+
 torch.manual_seed(seed)
 random.seed(seed)
 ptype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
@@ -208,15 +274,17 @@ print0(f"git: {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_o
 print0(f"building the model ({'scratch' if not model_dir else model_dir}), {dtype}, pp {pp_size} ep {ep_size}")
 model = parallel.build_stage(args, grid, dtype=ptype, pp_layers=split, init=model_dir is None, seed=seed)
 if model_dir:
-    load_weights(model, model_dir, strict=False, device=grid.device)
-kernel_paths = choose_kernels(kernels, args, grid.device, ptype, print0, os.path.join(compile_cache, 'kernel_check.json'))
+    checkpoint.load_weights(model, model_dir, strict=False, device=grid.device)
+kernel_cache = os.path.join(compile_cache, 'kernel_check.json')
+kernel_paths = choose_kernels(kernels, args, grid.device, ptype, print0, kernel_cache)
 model.set_kernels(kernel_paths).set_invariant(invariant)
 if cache := compile_policy.use_compile(compile, compile_cache):
     compile_policy.compile_model(model)  # its blocks, head and head + loss: the loss below is traced into it
     print0(f"compile cache: {cache}")
 pad_to = length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths
 pack = pack_multiple(args) if pack_samples else 0  # where a packed sample may start (a multiple of every ratio)
-replayed = replay.columns(args, model.layers, replay.fields(routing_replay, indexer_replay))  # the servers' ids we replay
+# the servers' ids we replay
+replayed = replay.columns(args, model.layers, replay.fields(routing_replay, indexer_replay))
 for name, p in model.named_parameters():  # MTP is not trained here; the router optionally frozen
     p.requires_grad_(not name.startswith('mtp.') and not (freeze_router and name.endswith('gate.weight'))
                      and (trainable == 'all' or name.startswith(('embed.', 'head.', 'norm.', 'hc_head_'))))
@@ -228,16 +296,21 @@ order = list(range(len(problems)))  # the data stream, one for every layout, cyc
 random.Random(seed).shuffle(order)
 cursor = 0  # the next position in the stream (saved in checkpoints)
 keep_rate = 1.0  # the share of groups dynamic sampling kept in the last step, of every rank (saved in checkpoints)
-encode = lambda p: prompt_ids(tok, p['prompt'])[-max_prompt_len:]
+
+
+def encode(problem):
+    return prompt_ids(tok, problem['prompt'])[-max_prompt_len:]
+
+
 start_step, weight_version = 0, 0  # the embedded server starts from the trainer's weights, labelled with their version
 if resume_dir:
-    st = faults.load_state(resume_dir, grid)
+    st = checkpoint.load_state(resume_dir, grid)
     opt.load_state_dict(st['opt'])
     start_step, weight_version = st['step'] + 1, st['weight_version']
     cursor = st['stream_pos'] if 'stream_pos' in st else st['cursor'] * grid.dp_size  # older: a position per rank
     keep_rate = st.get('keep_rate', 1.0)
     print0(f"resumed from {resume_dir} at step {start_step} (the newest complete checkpoint; ignoring incomplete "
-           f"{faults.checkpoints(out_dir)[1]})")
+           f"{checkpoint.checkpoints(out_dir)[1]})")
 
 # -----------------------------------------------------------------------------
 # rollout servers: the given URLs, or the embedded server started here (stopped on exit, crash included)
@@ -245,12 +318,16 @@ sync_dir = os.path.join(out_dir, 'weights')
 os.makedirs(out_dir, exist_ok=True)
 server, external = None, bool(rollout_url)
 if not external:
-    wsync.save_weights(model, grid, sync_dir, args, quant=rollout_quant)  # the server starts from the trainer's weights
+    # the server starts from the trainer's weights
+    checkpoint.save_weights(model, grid, sync_dir, args, quant=rollout_quant)
     if master:
-        server = EmbeddedServer(sync_dir, ['--dtype', dtype, '--max-batch', str(rollout_max_batch), '--max-len',
-                                           str(max_prompt_len + max_new_tokens), '--quant', rollout_quant, '--compile',
-                                           rollout_compile] + ['--invariant'] * invariant + [replay.FLAGS[f] for f in replayed]
-                                + ['--kernels', ','.join(kernel_paths) or 'reference']).start(str(weight_version))
+        flags = ['--dtype', dtype, '--max-batch', str(rollout_max_batch), '--max-len',
+                 str(max_prompt_len + max_new_tokens), '--quant', rollout_quant, '--compile', rollout_compile]
+        if invariant:
+            flags.append('--invariant')
+        flags += [replay.FLAGS[f] for f in replayed]
+        flags += ['--kernels', ','.join(kernel_paths) or 'reference']
+        server = EmbeddedServer(sync_dir, flags).start(str(weight_version))
         rollout_url = server.url
     rollout_url = parallel.broadcast_object(rollout_url, 0, grid.world_group, 'rollout url')
 client = RolloutClient(rollout_url, api_key=rollout_api_key or None, timeout=rollout_timeout, max_concurrency=(
@@ -302,7 +379,8 @@ def rollout_groups(step):
             for s in samples:
                 s['reward'] = s['correct'] = math_reward(tok.decode(s['output_ids']), p['answer'])
                 if overlong_buffer:
-                    s['reward'] += overlong_penalty(len(s['output_ids']), max_new_tokens, overlong_buffer, overlong_factor)
+                    n_out = len(s['output_ids'])
+                    s['reward'] += overlong_penalty(n_out, max_new_tokens, overlong_buffer, overlong_factor)
             rewards = [s['reward'] for s in samples]
             stats['groups'] += 1
             stats['samples'] += samples
@@ -310,7 +388,8 @@ def rollout_groups(step):
             if flags[-1][1]:
                 mine[i] = (encode(p), samples, group_advantages(rewards))
         every = parallel.all_gather_object((err, flags), grid.dp_group, 'kept groups')  # every rank's verdicts
-        if err := next((e for e, _ in every if e), None):
+        err = next((e for e, _ in every if e), None)
+        if err:
             raise RuntimeError(err)
         kept += sorted((i, r) for r, (_, rank_flags) in enumerate(every) for i, keep in rank_flags if keep)
         if len(kept) >= n_prompts:
@@ -328,10 +407,10 @@ def rollout_groups(step):
 
 
 def rollout_step(step):
-    """rollout_groups, checked: samples from older weights than the trainer's (a restarted server) are refused. A failure
-    on any rank fails every rank: the servers are synced again (a dead embedded one restarted first) and the step's
-    prompts redrawn with the same seeds, so none is lost. -> ((groups, stats) or None off stage 0, [why an attempt
-    failed]); (None, [why, why]) when both did"""
+    """rollout_groups, checked: samples from older weights than the trainer's (a restarted server) are refused. A
+    failure on any rank fails every rank: the servers are synced again (a dead embedded one restarted first) and the
+    step's prompts redrawn with the same seeds, so none is lost. -> ((groups, stats) or None off stage 0, [why an
+    attempt failed]); (None, [why, why]) when both did"""
     global cursor
     start, errors = cursor, []
     for attempt in (1, 2):
@@ -356,13 +435,17 @@ def rollout_step(step):
     return None, errors
 
 
+def loss_fn(logits, mb):
+    """The GRPO token loss of a micro-batch (grpo.grpo_loss), as the last stage computes it."""
+    return grpo.grpo_loss(logits, mb, eps_low, eps_high, tis_cap, kl_coef, entropy_coef)
+
+
 # -----------------------------------------------------------------------------
-# checkpoints: official-name safetensors + per-rank optimizer/RNG/cursor (faults.save_checkpoint: a .tmp dir, renamed)
+# checkpoints: official-name safetensors + per-rank optimizer/RNG/cursor (checkpoint.save_checkpoint)
 
 def save_checkpoint(step):
-    faults.save_checkpoint(out_dir, step, lambda d: wsync.save_weights(model, grid, d, args), faults.trainer_state(
-        step, opt, stream_pos=cursor, keep_rate=keep_rate,
-        weight_version=weight_version), grid, config, keep_checkpoints)
+    state = checkpoint.trainer_state(step, opt, stream_pos=cursor, keep_rate=keep_rate, weight_version=weight_version)
+    checkpoint.save_checkpoint(out_dir, step, model, grid, args, state, config, keep_checkpoints)
 
 
 # -----------------------------------------------------------------------------
@@ -372,7 +455,10 @@ if wandb_log and is_logger:
         import wandb
     except ImportError:
         raise SystemExit("error: wandb_log=True needs the wandb package (pip install wandb)")
-    wandb.init(project=wandb_project, config=config, dir=out_dir, mode=None if os.environ.get('WANDB_API_KEY') else 'offline')
+    wandb_mode = None  # online with a key, else offline
+    if not os.environ.get('WANDB_API_KEY'):
+        wandb_mode = 'offline'
+    wandb.init(project=wandb_project, config=config, dir=out_dir, mode=wandb_mode)
 
 
 def sync_weights():
@@ -396,8 +482,12 @@ def sync_weights():
 
 
 def finish_step(step, saved):
-    """The safe point: the step is over on every rank. A SIGTERM / SIGINT on any rank stops all here, with a checkpoint."""
-    preempt.safe_point(grid, step, None if saved else lambda: save_checkpoint(step))
+    """The safe point: the step is over on every rank. A SIGTERM / SIGINT on any rank stops all here, with a
+    checkpoint."""
+    save = None  # the step has saved already
+    if not saved:
+        save = functools.partial(save_checkpoint, step)
+    preempt.safe_point(grid, step, save)
     watchdog.disarm()
 
 
@@ -405,7 +495,8 @@ def log(rec, line):
     if is_logger:
         print(line, flush=True)
         open(os.path.join(out_dir, 'metrics.jsonl'), 'a').write(json.dumps(rec) + '\n')  # closed at once (CPython)
-        wandb.log(rec, step=rec['step']) if wandb_log else None
+        if wandb_log:
+            wandb.log(rec, step=rec['step'])
 
 
 def held_out_eval(n_updates):
@@ -414,8 +505,9 @@ def held_out_eval(n_updates):
     ev = {}
     if master:
         try:  # servers down: no eval this time, and the next step's rollout recovers them
-            res = evaluate(client, tok, eval_problems, eval_n_samples, dict(temperature=eval_temperature,
-                           top_p=eval_top_p, max_new_tokens=max_new_tokens), seed=seed, chat=data not in ('math', 'toy'))
+            sampling = dict(temperature=eval_temperature, top_p=eval_top_p, max_new_tokens=max_new_tokens)
+            chat = data not in ('math', 'toy')  # V4's chat layout, not for the built-in tasks' plain prompts
+            res = evaluate(client, tok, eval_problems, eval_n_samples, sampling, seed=seed, chat=chat)
             ev = {f'eval_{k}': v for k, v in res.items() if k != 'per_problem'}
             print(f"eval after {n_updates} GRPO steps | {summary(res)}", flush=True)
         except RuntimeError as e:
@@ -432,7 +524,9 @@ servers_ready()  # before the first step's watchdog is armed
 preempt.defer = True  # from here a signal stops at the end of the step, with a checkpoint
 for step in range(start_step, max_steps):
     watchdog.arm(f"step {step}")
-    evals = held_out_eval(step) if eval_interval and step % eval_interval == 0 else {}  # before this step's update
+    evals = {}
+    if eval_interval and step % eval_interval == 0:  # before this step's update
+        evals = held_out_eval(step)
     t0 = time.time()
     out, errors = rollout_step(step)
     if len(errors) == 2:
@@ -441,9 +535,8 @@ for step in range(start_step, max_steps):
         skips.update(step, 'rollouts failed')
         finish_step(step, saved=False)
         continue
-    # every stage of a DP replica trains on the same samples
     # every stage of a DP replica trains on the same samples: [minibatch][group]
-    parts, rstats = parallel.broadcast_object(out, grid.rank - grid.pp_rank * grid.dp_size, grid.pp_group, 'samples')
+    parts, rstats = parallel.broadcast_object(out, grid.first_stage_rank, grid.pp_group, 'samples')
     t_roll = time.time() - t0
     rec = {'step': step, 'lr': lr_at(step, lr, warmup_steps, lr_schedule, max_steps, min_lr_ratio),
            'weight_version': weight_version, **evals, **grpo.rollout_metrics(rstats, weight_version, grid)}
@@ -456,30 +549,35 @@ for step in range(start_step, max_steps):
         for g in opt.param_groups:
             g['lr'] = rec['lr']
         samples = [s for part in parts for _, ss, _ in part for s in ss]
-        norm_local = sum(len(s['output_ids']) for s in samples) if loss_agg == 'token_mean' else len(samples)
-        norm = float(parallel.all_reduce(torch.tensor(float(norm_local), device=grid.device), grid.dp_group, 'loss norm'))
+        norm_local = len(samples)  # the loss is a mean over samples, or (token_mean) over tokens
+        if loss_agg == 'token_mean':
+            norm_local = sum(len(s['output_ids']) for s in samples)
+        norm_local = torch.tensor(float(norm_local), device=grid.device)
+        norm = float(parallel.all_reduce(norm_local, grid.dp_group, 'loss norm'))
         parts = [part or [inert_group(encode(problems[0]))] for part in parts]  # a rank short of groups runs one
         # as many micro-batches on every DP rank (expert-parallel peers run each one together): the fewest rows
         rows = torch.tensor([float(grpo.n_rows(part, pack, pad_to)) for part in parts], device=grid.device)
         fewest = parallel.all_reduce(rows, grid.dp_group, 'fewest rows', op=dist.ReduceOp.MIN).tolist()
         minis = [make_microbatches(part, int(min(n_microbatches, few)), norm / n_minibatches, loss_agg, grid.device,
                                    pad_to, replayed, args, pack) for part, few in zip(parts, fewest)]
-        for mbs in minis if n_minibatches > 1 else []:  # the old policy's logprobs, before any of this rollout's updates
-            for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, grpo.token_logprobs)):
-                mb['old_lp'] = lp
-        loss_fn = lambda lg, mb: grpo.grpo_loss(lg, mb, eps_low, eps_high, tis_cap, kl_coef, entropy_coef)
+        if n_minibatches > 1:  # the old policy's logprobs, before any of this rollout's updates
+            for mbs in minis:
+                for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, grpo.token_logprobs)):
+                    mb['old_lp'] = lp
         for mbs in minis:
             m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip, recompute=recompute)
             rec['grad_norm'] = m['grad_norm']
             if m['skipped']:  # the same verdict on every rank
                 bad = rec['skipped'] = faults.report_nonfinite(step, m, mbs, model, grid.rank,
                                                                os.path.join(out_dir, 'nonfinite'), is_logger)
-        rec.update(grpo.train_metrics(m, grid) if grid.is_last_stage else {})
+        if grid.is_last_stage:
+            rec.update(grpo.train_metrics(m, grid))
     t2 = time.time()
     sync_weights()
     t3 = time.time()
     rec.update(t_rollout=t_roll, t_train=t2 - t1, t_sync=t3 - t2, weight_version=weight_version, elapsed_s=t3 - t_start,
-               rollout_tok_s=rec['response_tokens'] / max(t_roll, 1e-9), train_tok_s=rec.get('train_tokens', 0) / max(t2 - t1, 1e-9))
+               rollout_tok_s=rec['response_tokens'] / max(t_roll, 1e-9),
+               train_tok_s=rec.get('train_tokens', 0) / max(t2 - t1, 1e-9))
     log(rec, grpo.step_line(rec, max_steps))
     skips.update(step, bad)
     saved = checkpoint_interval and ((step + 1) % checkpoint_interval == 0 or step + 1 == max_steps)

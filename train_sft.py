@@ -2,7 +2,7 @@
 Supervised fine-tuning (SFT) of DeepSeek-V4 on the math task's worked solutions (tasks.py): the base model that
 train_grpo.py then improves with RL on held-out problems it half solves. It runs on the GRPO trainer's own parts:
 the pipeline stages and 1F1B step (parallel.py), the micro-batches and token logprobs (grpo.py), AdamW
-(optimizer.py) and the official-layout weight writer (weight_sync.py).
+(optimizer.py) and the official-layout weight writer (checkpoint.save_weights).
 
     python train_sft.py config/sft_micro.py                    # the default base: micro V4, 2 CPU cores, ~3 min
     torchrun --standalone --nproc_per_node=4 train_sft.py config/sft_micro.py --pp_size=2 --ep_size=2
@@ -30,8 +30,7 @@ import torch
 
 import grpo
 import parallel
-import weight_sync as wsync
-from checkpoint import from_pretrained, load_weights
+from checkpoint import from_pretrained, load_weights, save_weights
 from engine import Engine
 from kernel_check import choose as choose_kernels
 from eval_aime import evaluate, summary
@@ -141,7 +140,7 @@ lr_of = lambda step: lr_at(step, lr, warmup_steps, lr_schedule, max_steps, min_l
 
 def save_and_evaluate(step):
     """Write the weights to out_dir (collective), then rank 0 evaluates them; every rank returns the metrics."""
-    wsync.save_weights(model, grid, out_dir, args)
+    save_weights(model, grid, out_dir, args)
     res = {}
     if master and test:
         t = time.time()

@@ -1,6 +1,6 @@
 """
 Weight sync from the trainer to the rollout servers, SGLang or the embedded one (the same HTTP protocol,
-SGLang 0.5.23's update sessions), and the writer of official-name safetensors shards (checkpoints use it too).
+SGLang 0.5.23's update sessions). The disk transport writes checkpoint.save_weights's shards.
 
 Names: trainer parameter names *are* the official checkpoint names (model_dsv4.py): the name table is the identity.
 quant.py's table adds which tensors travel quantized for rollout_quant = fp8 | fp8_fp4 (the official e4m3 / e2m1
@@ -28,22 +28,22 @@ Failure: a server that dies or times out raises SyncError on every trainer rank,
 are only read. The servers a sync did not complete on, and those that were down, go into client.stale (no rollouts)
 until a later sync reaches them in full; every sync goes to every server that is up.
 """
+import functools
 import ipaddress
-import json
 import os
 import socket
-import threading
 import time
 import uuid
-from concurrent.futures import Future
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
 import tensor_payload
-from parallel import barrier, init_weight_update_group, named
+from checkpoint import save_weights
+from parallel import init_weight_update_group, named
 from quant import as_bytes, e8m0_to_float, quantize_tensor, quantized_meta
+from rollout import background
 
 GROUP = {}  # this rank's live weight-update groups: "urls", "names" (one per stage), "pg" (stage senders only)
 
@@ -55,62 +55,24 @@ class SyncError(RuntimeError):
         self.urls = urls
 
 
-def save_weights(model, grid, path, args, quant="none"):
-    """Every writer saves model-rank{r}-of{w}.safetensors into path, quantized for rollout_quant; rank 0 adds
-    config.json and the index (transformers' from_pretrained reads it too). Collective. -> (the first rows of
-    what this rank wrote, for verify; its bytes)."""
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    mine = {n: q.contiguous().cpu() for k, v in model.state_dict().items()
-            if (grid.edp_rank == 0 if ".experts." in k else grid.dp_rank == 0)  # what this rank writes (docstring)
-            for n, q in quantize_tensor(k, v.detach(), quant).items()}
-    fname = f"model-rank{grid.rank:05d}-of-{grid.world_size:05d}.safetensors"
-    nbytes = sum(v.nbytes for v in mine.values())
-    if mine:
-        save_file(mine, os.path.join(path, fname), metadata={"format": "pt"})
-    names = [(list(mine), fname, nbytes)] * grid.world_size  # every writer's (keys, file, bytes), for the index
-    if grid.world_size > 1:
-        with named("all_gather_object(shard names)", dist.group.WORLD):
-            dist.all_gather_object(names, names[0])
-    if grid.rank == 0:
-        index = {k: f for keys, f, _ in names for k in keys}
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": sum(n for *_, n in names)}, "weight_map": index}, f)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(args.to_json(), f, indent=1)
-    barrier(dist.group.WORLD, "shards written")
-    return {k: v[:2].clone() for k, v in mine.items()}, nbytes
-
-
 # -----------------------------------------------------------------------------
-# helpers: calls to a set of servers, agreement across the trainer's ranks
-
-def background(fn, *args):
-    """fn(*args) in a daemon thread (a call stuck on a dead peer must not keep the trainer alive) -> Future."""
-    fut = Future()
-    def run():
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:
-            fut.set_exception(e)
-    threading.Thread(target=run, daemon=True).start()
-    return fut
-
+# helpers: calls to a set of servers (client.each), agreement across the trainer's ranks
 
 def post(client, urls, path, body, timeout):
-    """POST on every url at once (body: one dict, or {url: dict}) -> {url: Future of its error, None if fine}."""
-    def one(url):
-        err = client._call(url, "POST", path, body.get(url, body), timeout)[1]
-        return err and f"{path}: {err}"
-    return {u: background(one, u) for u in urls}
+    """POST on every url at once (body: one dict, or {url: dict}) -> client.each's {url: Future of (answer, error)}.
+    Every POST of a sync goes through here (tests/fault_run.py kills a server from here, mid-sync)."""
+    if all(u in body for u in urls):
+        return client.each(path, urls=urls, timeout=timeout, bodies=body)
+    return client.each(path, body, urls=urls, timeout=timeout)
 
 
-def errors(futures, wait=None):
-    """{url: Future} -> {url: error} of the calls that failed, or did not answer within `wait` seconds."""
+def errors(calls, wait=None):
+    """{url: Future of (answer, error)} -> {url: error} of the calls that failed, or did not answer within `wait`
+    seconds."""
     deadline, out = time.time() + (wait or 0), {}
-    for url, fut in futures.items():
+    for url, fut in calls.items():
         try:
-            out[url] = fut.result(None if wait is None else max(0.0, deadline - time.time()))
+            out[url] = fut.result(None if wait is None else max(0.0, deadline - time.time()))[1]
         except TimeoutError:
             out[url] = f"no answer {wait} s after the failure (blocked on the broken group)"
     return {u: e for u, e in out.items() if e}
@@ -118,7 +80,9 @@ def errors(futures, wait=None):
 
 def failed(errs, what):
     """{url: error} -> the error that agree() passes around, (message, urls), or None."""
-    return (what + "".join(f"\n  {u}: {e}" for u, e in errs.items()), [u for u in errs if "://" in u]) if errs else None
+    if not errs:
+        return None
+    return what + "".join(f"\n  {u}: {e}" for u, e in errs.items()), [u for u in errs if "://" in u]
 
 
 def agree(grid, err, src=None):
@@ -126,16 +90,22 @@ def agree(grid, err, src=None):
     go on or stop together: none waits in a collective that the others left."""
     if grid.world_size == 1:
         return err
-    box = [err] if src is not None else [None] * grid.world_size
     with named("weight sync: agree", dist.group.WORLD):
-        dist.broadcast_object_list(box, src=src) if src is not None else dist.all_gather_object(box, err)
-    return box[0] if src is not None else next((e for e in box if e), None)
+        if src is not None:
+            box = [err]
+            dist.broadcast_object_list(box, src=src)
+            return box[0]
+        box = [None] * grid.world_size
+        dist.all_gather_object(box, err)
+    return next((e for e in box if e), None)
 
 
 def tp_sizes(grid, client, urls):
     """Ranks per server, SGLang's tp_size (the embedded server has no /server_info: 1), as rank 0 asked them."""
-    answers = [client._call(url, "GET", "/server_info", timeout=30) for url in urls] if grid.rank == 0 else []
-    tps = [out.get("tp_size", 1) if err is None and isinstance(out, dict) else 1 for out, err in answers]
+    tps = None
+    if grid.rank == 0:
+        answers = [fut.result() for fut in client.each("/server_info", method="GET", urls=urls, timeout=30).values()]
+        tps = [out.get("tp_size", 1) if err is None and isinstance(out, dict) else 1 for out, err in answers]
     return agree(grid, tps, src=0)
 
 
@@ -149,7 +119,7 @@ def make_groups(grid, client, urls, token, timeout):
     tps, names = tp_sizes(grid, client, urls), [f"nano-pp{p}-{token}" for p in range(grid.pp_size)]
     for p, name in enumerate(names):
         err = None
-        if grid.rank == p * grid.dp_size:  # the sender of stage p: its dp_rank 0 (parallel.py's grid)
+        if grid.pp_rank == p and grid.dp_rank == 0:  # the sender of stage p
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # our address, as the servers reach us
                 s.connect((urlsplit(urls[0]).hostname, 80))
                 addr = s.getsockname()[0]
@@ -164,7 +134,8 @@ def make_groups(grid, client, urls, token, timeout):
             pg = background(init_weight_update_group, addr, port, 0, 1 + sum(tps), name, backend, timeout)
             err = failed(errors(joined), f"init_weights_update_group {name} failed on:")
             GROUP["pg"] = pg.result() if err is None else None  # else left to time out in its thread
-        if err := agree(grid, err):
+        err = agree(grid, err)
+        if err:
             raise SyncError(*err)
     GROUP.update(urls=tuple(urls), names=names)
 
@@ -173,8 +144,9 @@ def teardown(grid, client, urls=(), timeout=30):
     """Forget the groups: ours at once; rank 0 asks the servers in urls to drop theirs (best effort)."""
     if GROUP.get("pg") is not None:
         dist.destroy_process_group(GROUP["pg"])
-    for name in GROUP.get("names", []) if grid.rank == 0 else []:
-        errors(post(client, urls, "/destroy_weights_update_group", {"group_name": name}, timeout))
+    if grid.rank == 0:
+        for name in GROUP.get("names", []):
+            errors(post(client, urls, "/destroy_weights_update_group", {"group_name": name}, timeout))
     GROUP.clear()
 
 
@@ -220,7 +192,8 @@ def send_stage(model, grid, quant, limit, push, stats, samples):
             continue
         sent = {n: q.contiguous() for k, t in tensors.items() for n, q in quantize_tensor(k, t, quant).items()}
         del tensors
-        if err := push(sent, what):
+        err = push(sent, what)
+        if err:
             continue
         nbytes = sum(v.nbytes for v in sent.values())
         stats.update(names=stats["names"] + list(sent), bytes=stats["bytes"] + nbytes, buckets=stats["buckets"] + 1,
@@ -248,23 +221,28 @@ def broadcast(client, urls, name, version, timeout, flat):
     pack = packer()
 
     def push(sent, what):
-        buf, entries = pack(sent) if flat else (None, None)
-        names = [e.name for e in entries] if flat else list(sent)  # the order the bytes go in
-        answers = post(client, urls, "/update_weights_from_distributed", {
+        names = list(sent)  # the order the tensors go in
+        tensors = [sent[k] for k in names]
+        if flat:  # one tensor of the bucket's bytes, larger elements first
+            buf, entries = pack(sent)
+            names = [e.name for e in entries]
+            tensors = [buf]
+        path = "/update_weights_from_distributed"
+        answers = post(client, urls, path, {
             "names": names, "dtypes": [str(sent[k].dtype)[6:] for k in names], "group_name": name,
             "shapes": [list(sent[k].shape) for k in names], "load_format": "flattened_bucket" if flat else None,
             "flush_cache": False, "weight_version": version}, timeout)
         try:
-            for v in [buf] if flat else [sent[k] for k in names]:
+            for v in tensors:
                 dist.broadcast(as_bytes(v), src=0, group=GROUP["pg"])  # float8 travels as bytes (gloo has none)
         except Exception as e:  # a dead peer: the servers still up wait on us for ever; do not wait for them
-            return failed({**errors(answers, wait=2), "broadcast": f"{type(e).__name__}: {e}"}, what)
-        return failed(errors(answers), what)
+            return failed({**errors(answers, wait=2), "broadcast": f"{type(e).__name__}: {e}"}, f"{path} {what}")
+        return failed(errors(answers), f"{path} {what}")
     return push
 
 
 def session(grid, client, urls, timeout, send):
-    """The session of the module docstring: pause, flush, begin; send(p) -> error or None on stage p's sender,
+    """The session of the module docstring: pause, flush, begin; send() -> error or None on each stage's sender,
     stage after stage (every server receives in the same order); then end and continue wherever still up, whatever
     happened. Collective. -> the first error, on every rank."""
     err = None
@@ -274,7 +252,7 @@ def session(grid, client, urls, timeout, send):
     err = agree(grid, err)
     for p in range(grid.pp_size):
         if err is None and grid.pp_rank == p and grid.edp_rank == 0:
-            err = send(p)
+            err = send()
         err = agree(grid, err)
     if grid.rank == 0:  # close the session (quantized servers rebuild here) and resume
         ended = failed(errors(post(client, urls, "/end_weight_update", {}, timeout)), "/end_weight_update failed on:")
@@ -308,25 +286,30 @@ def colocated(grid, client, urls, version, timeout, flat):
     def push(sent, what):  # one payload for every TP rank of a server, as SGLang's client sends it
         buf = pack(sent) if flat else None  # buf[0], the memory a CUDA handle maps, lives on
         entry = tensor_payload.dumps_flat(*buf) if flat else tensor_payload.dumps(sent)  # until every server answered
-        return failed(errors(post(client, urls, "/update_weights_from_tensor", {
-            u: {"serialized_named_tensors": [entry] * tp, "load_format": "flattened_bucket" if flat else None,
-                "flush_cache": False, "weight_version": version} for u, tp in zip(urls, tps)}, timeout)), what)
+        bodies = {u: {"serialized_named_tensors": [entry] * tp, "load_format": "flattened_bucket" if flat else None,
+                      "flush_cache": False, "weight_version": version} for u, tp in zip(urls, tps)}
+        path = "/update_weights_from_tensor"
+        return failed(errors(post(client, urls, path, bodies, timeout)), f"{path} {what}")
     return push
 
 
 def check_samples(client, urls, samples, timeout):
     """/get_weights_by_name on every server against the first rows we sent: equal, or equal after the bf16 cast
     of a server that serves bf16. -> {url: error} naming the first tensor that differs."""
-    def check(url):
-        for name, want in samples.items():
-            want = (e8m0_to_float(want) if want.dtype == torch.float8_e8m0fnu else want.float()).cpu()
-            got, err = client._call(url, "POST", "/get_weights_by_name", {"name": name, "truncate_size": 2}, timeout)
+    bad = {}
+    for name, want in samples.items():
+        want = (e8m0_to_float(want) if want.dtype == torch.float8_e8m0fnu else want.float()).cpu()
+        body = {"name": name, "truncate_size": 2}
+        asked = [u for u in urls if u not in bad]  # a server's first difference is enough
+        for url, fut in client.each("/get_weights_by_name", body, urls=asked, timeout=timeout).items():
+            got, err = fut.result()
             if err is not None:
-                return f"verify: {name}: {err}"
+                bad[url] = f"verify: {name}: {err}"
+                continue
             got = torch.tensor(got)
             if not (torch.equal(got, want) or torch.equal(got, want.bfloat16().float())):
-                return f"verify: {name} differs from what the trainer sent"
-    return errors({u: background(check, u) for u in urls})
+                bad[url] = f"verify: {name} differs from what the trainer sent"
+    return bad
 
 
 # -----------------------------------------------------------------------------
@@ -338,10 +321,15 @@ def sync(model, grid, client, args, path, mode="disk", version="1", quant="none"
     SyncError on every rank, naming the servers that failed (they join client.stale; see the module docstring)."""
     if mode not in ("disk", "distributed", "tensor"):
         raise ValueError(f"weight_sync '{mode}' is not available (have: disk, distributed, tensor)")
-    t0, samples = time.time(), {} if verify else None
+    t0 = time.time()
+    samples = None  # verify: the first rows of every tensor sent
+    if verify:
+        samples = {}
     stats = {"mode": mode, "flatten": flatten, "names": [], "bytes": 0, "buckets": 0, "max_bucket_bytes": 0}
-    up, token = agree(grid, ([u for u, ok in client.health().items() if ok] if grid.rank == 0 else None,
-                             uuid.uuid4().hex[:8]), src=0)
+    up = None
+    if grid.rank == 0:
+        up = [u for u, ok in client.health().items() if ok]
+    up, token = agree(grid, (up, uuid.uuid4().hex[:8]), src=0)  # rank 0's
     client.stale.update(u for u in client.urls if u not in up)
     try:
         if not up:
@@ -351,19 +339,20 @@ def sync(model, grid, client, args, path, mode="disk", version="1", quant="none"
             samples, stats["bytes"] = save_weights(model, grid, path, args, quant)
             stats["names"] = list(samples)
             if grid.rank == 0:
-                err = failed(errors(post(client, up, "/update_weights_from_disk", {"model_path": os.path.abspath(path),
-                             "weight_version": version}, timeout)), "update_weights_from_disk failed on:")
-        elif mode == "distributed":
-            if GROUP.get("urls") != tuple(up):  # the first sync, or other servers: new groups
-                make_groups(grid, client, up, token, timeout)
-            err = session(grid, client, up, timeout, lambda p: send_stage(model, grid, quant, limit, broadcast(
-                client, up, GROUP["names"][p], version, timeout, flatten), stats, samples))
-            if err:  # the groups may be broken: drop them (the next sync makes new ones)
-                teardown(grid, client, up, min(timeout, 30))
+                body = {"model_path": os.path.abspath(path), "weight_version": version}
+                err = failed(errors(post(client, up, "/update_weights_from_disk", body, timeout)),
+                             "update_weights_from_disk failed on:")
         else:
-            push = colocated(grid, client, up, version, timeout, flatten)  # collective: before the session
-            err = session(grid, client, up, timeout,
-                          lambda p: send_stage(model, grid, quant, limit, push, stats, samples))
+            if mode == "distributed" and GROUP.get("urls") != tuple(up):  # the first sync, or other servers
+                make_groups(grid, client, up, token, timeout)
+            if mode == "distributed":  # into this stage's group
+                push = broadcast(client, up, GROUP["names"][grid.pp_rank], version, timeout, flatten)
+            else:
+                push = colocated(grid, client, up, version, timeout, flatten)  # collective: before the session
+            send = functools.partial(send_stage, model, grid, quant, limit, push, stats, samples)
+            err = session(grid, client, up, timeout, send)
+            if err and mode == "distributed":  # the groups may be broken: drop them (the next sync makes new ones)
+                teardown(grid, client, up, min(timeout, 30))
         err = agree(grid, err)  # every server has the weights now (or the sync failed), so verify may look
         if verify and not err:
             err = agree(grid, failed(check_samples(client, up, samples, timeout), "verify failed on:"))

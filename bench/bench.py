@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)  # the project's modules, wherever this runs from
 import compile_policy  # noqa: E402
 import grpo  # noqa: E402
 import parallel  # noqa: E402
-from checkpoint import save_pretrained  # noqa: E402
+from checkpoint import save_pretrained, save_weights  # noqa: E402
 from kernel_check import choose as choose_kernels  # noqa: E402
 from model_dsv4 import ModelArgs, Transformer  # noqa: E402
 
@@ -332,10 +332,10 @@ def bench_sync(args, dtype, device, versions):
         print("distributed rows skipped: NCCL refuses two ranks on one GPU (they need the server on a second GPU)")
     with tempfile.TemporaryDirectory(dir=cli.tmp) as d:
         for quant in ("none", "fp8"):
-            wsync.save_weights(model, grid, f"{d}/start", args, quant)  # the server starts from the trainer's weights
+            save_weights(model, grid, f"{d}/start", args, quant)  # the server starts from the trainer's weights
             for gpu, modes in plans:
                 env = dict(os.environ, **({} if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu)}))
-                proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "rollout.py"), "--serve", "--model", f"{d}/start", "--port", "0",
+                proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--model", f"{d}/start", "--port", "0",
                                          "--dtype", cli.dtype, "--device", device.type, "--quant", quant,
                                          "--max-len", "256"], stdout=subprocess.PIPE, text=True, env=env)
                 ready = next(line for line in proc.stdout if "ready at" in line)

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import parallel  # noqa: E402
+from checkpoint import save_weights  # noqa: E402
 import weight_sync as wsync  # noqa: E402
 from model_dsv4 import ModelArgs, Transformer  # noqa: E402
 from rollout import RolloutClient  # noqa: E402
@@ -47,8 +48,8 @@ def timed_http(http):
 
 
 with tempfile.TemporaryDirectory() as d:
-    wsync.save_weights(model, grid, f"{d}/start", args, "none")
-    proc = subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", f"{d}/start", "--port", "0",
+    save_weights(model, grid, f"{d}/start", args, "none")
+    proc = subprocess.Popen([sys.executable, "server.py", "--model", f"{d}/start", "--port", "0",
                              "--dtype", "bfloat16", "--device", device.type, "--max-len", "256"],
                             stdout=subprocess.PIPE, text=True)
     try:

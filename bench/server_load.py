@@ -39,7 +39,7 @@ with tempfile.TemporaryDirectory() as d:
     model.init_weights(0)
     save_pretrained(model, d)
     log = open(os.path.join(d, "server.log"), "w+")
-    proc = subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", d, "--port", "0", "--dtype", "float32",
+    proc = subprocess.Popen([sys.executable, "server.py", "--model", d, "--port", "0", "--dtype", "float32",
                              "--device", "cpu", "--max-batch", str(a.max_batch), "--max-len", str(8 + a.max_new)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     try:

@@ -1,9 +1,8 @@
 # The seed's before/after table at our scale, on one GPU: GRPO with DAPO's settings from the base that
 # config/sft_gpu_math.py makes, on RL prompts the SFT never saw; held-out pass@k on 200 problems x 8 samples at
-# steps 0, 25, 50, 75 and 100 (~10 s each). On one H100 (2026-12-06, README): pass@1 0.436 -> 0.987, pass@8
-# 0.675 -> 0.995 in 100 steps (~4 s a step beside three other runs); with --rollout_quant=fp8 0.437 -> 0.991 and 0.675 -> 1.000.
-#   python train_sft.py config/sft_gpu_math.py       # the base, in out/gpu_math/base (~5 min)
-#   python train_grpo.py config/gpu_math.py           # 100 steps (8.5 min on a shared H100); a SIGTERM stops
+# steps 0, 25, 50, 75 and 100. Its figures: README's Results, bench/RESULTS.md.
+#   python train_sft.py config/sft_gpu_math.py       # the base, in out/gpu_math/base
+#   python train_grpo.py config/gpu_math.py           # 100 steps; a SIGTERM stops
 #   python train_grpo.py config/gpu_math.py --resume=True      # it with a checkpoint, --resume goes on
 #   python scripts/plot_metrics.py out/gpu_math/metrics.jsonl
 out_dir = 'out/gpu_math'

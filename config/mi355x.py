@@ -10,7 +10,7 @@ wandb_log, wandb_project = True, 'nano-dsv4-rl'
 
 # model: the official checkpoint; its own config.json gives the shape when it is read
 init_from = '/data/DeepSeek-V4-Flash'
-model_config = 'config/models/flash.json'  # the same shape, for --dry_run and `python parallel.py --plan`
+model_config = 'config/models/flash.json'  # the same shape, for --dry_run=True (the memory plan, no hardware)
 dtype = 'bfloat16'
 resume = True  # after a crash, relaunching the same command continues from the newest checkpoint in out_dir
 

@@ -4,7 +4,7 @@
 # teacher who subtracts without borrowing (tasks.math_batch's teacher_bug). The base writes well-formed solutions that
 # fail most problems with a borrow, the same ones in every sample, so pass@8 has room to grow: the bug's solution is
 # wrong on 62.5% of the held-out pool, and a base that copies the teacher scores pass@1 ~0.44 and pass@8 ~0.73.
-# On one H100 (2026-12-06): 330 steps in 305 s, held-out pass@1 0.436, pass@8 0.675, well-formed 0.999.
+# Its figures: bench/RESULTS.md.
 #   python train_sft.py config/sft_gpu_math.py          # writes out/gpu_math/base, where gpu_math.py looks
 out_dir = 'out/gpu_math/base'
 seed = 1337
@@ -30,7 +30,7 @@ warmup_steps = 50
 min_lr_ratio = 0.1
 grad_clip = 1.0
 
-eval_interval = 0  # the held-out eval after the last step (~15 s)
+eval_interval = 0  # the held-out eval after the last step
 n_test = 200
 eval_n_samples = 8
 eval_temperature = 1.0

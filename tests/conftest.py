@@ -102,7 +102,7 @@ def one_torch_thread():
 
 def start_servers(ckpt, n=1, quant="none", ports=None, device="cpu"):
     """n embedded fp32 servers of a checkpoint (subprocesses, started together) -> [[process, url]]."""
-    procs = [subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", ckpt, "--port", str(port),
+    procs = [subprocess.Popen([sys.executable, "server.py", "--model", ckpt, "--port", str(port),
                                "--dtype", "float32", "--device", device, "--max-len", "128", "--quant", quant],
                               cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."), stdout=subprocess.PIPE,
                               text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))

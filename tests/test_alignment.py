@@ -105,7 +105,7 @@ def test_invariant_fp8_engine_equals_trainer_bit_for_bit():
 
 
 def test_invariant_server_equals_trainer_bit_for_bit():
-    """The same through HTTP: rollout.py --serve --invariant (server.start(invariant=True)), whose engine steps in
+    """The same through HTTP: server.py --invariant (server.start(invariant=True)), whose engine steps in
     the server's own thread and batches requests as they arrive, against the trainer scoring each sample alone."""
     import server
     base = small_model(torch.bfloat16)

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_compiled_decode_warms_up_once_a_kind_and_is_as_close_as_eager(compile_layers):
     """The engine's compiled decode step (compile_policy.compile_engine, CPU, bf16), CSA and HCA layers. Engine.warm_up
-    (rollout.py --serve --compile layers, before the ready line) prefills twice and decodes once at every batch bucket
+    (server.py --compile layers, before the ready line) prefills twice and decodes once at every batch bucket
     on the scratch slot: the compiles happen there, the decode's once for every bucket (the batch is symbolic from
     the first call, compile_policy._dynamic_dims; a second bucket compiling again doubled a cold start), and decodes
     at other batch sizes and a prefill of another batch size afterwards compile nothing. Then its logprobs are as
@@ -110,10 +110,10 @@ CPU_ONLY = pytest.mark.skipif(CUDA, reason="the refusal is for machines without 
 @pytest.mark.slow
 @pytest.mark.parametrize("cmd,expect", [
     pytest.param(["train_grpo.py", "--compile=layers"], "compile='layers' needs a GPU", marks=CPU_ONLY),
-    pytest.param(["rollout.py", "--serve", "--model", ".", "--compile", "layers"], "--compile layers needs a GPU",
+    pytest.param(["server.py", "--model", ".", "--compile", "layers"], "--compile layers needs a GPU",
                  marks=CPU_ONLY),
     (["train_grpo.py", "--invariant=True", "--compile=layers"], "invariant=True runs eager"),
-    (["rollout.py", "--serve", "--model", ".", "--invariant", "--compile", "layers"], "--invariant runs eager")])
+    (["server.py", "--model", ".", "--invariant", "--compile", "layers"], "--invariant runs eager")])
 def test_startup_refusals(cmd, expect):
     """Exit 2 with the reason at startup, not an inductor error at the first rollout: compile='layers' without a
     GPU, and compiling with path-invariant numerics (a dispatch mode the compiled graphs would bypass)."""

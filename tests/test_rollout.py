@@ -40,7 +40,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(ckpts):
-    proc = subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", ckpts[0], "--port", "0", "--dtype",
+    proc = subprocess.Popen([sys.executable, "server.py", "--model", ckpts[0], "--port", "0", "--dtype",
                              "float32", "--device", "cpu", "--max-batch", "16", "--max-len", "128", "--api-key", KEY],
                             cwd=os.path.join(os.path.dirname(__file__), ".."), stdout=subprocess.PIPE, text=True)
     line = next((l for l in proc.stdout if "ready at http://" in l), "")  # model loaded, port bound

@@ -31,7 +31,7 @@ ARGS = ModelArgs(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attent
 def test_1500_requests_in_flight_each_answered_whole(tmp_path):
     save_pretrained(randomize_(Transformer(ARGS, dtype=torch.float32), 4, 2, 0), str(tmp_path))
     log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "rollout.py", "--serve", "--model", str(tmp_path), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "server.py", "--model", str(tmp_path), "--port", "0",
                              "--dtype", "float32", "--device", "cpu", "--max-batch", "32", "--max-len", "64"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     try:

@@ -35,7 +35,7 @@ servers = []
 class Popen(subprocess.Popen):  # remembers the embedded rollout server the trainer starts
     def __init__(self, cmd, *a, **k):
         super().__init__(cmd, *a, **k)
-        if "--serve" in cmd:
+        if any(str(c).endswith("server.py") for c in cmd):
             servers.append(self)
 
 
