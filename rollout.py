@@ -428,5 +428,6 @@ if __name__ == "__main__":
           f"{groups[0][0]['weight_version']}; server vs forward logprobs max |diff| {worst:.2e}; "
           f"same seeds, same tokens: {same}")
     srv.proc.terminate()
+    srv.proc.wait(timeout=30)  # its "stopped" line before the verdict, which stays the last line
     assert worst < 1e-4 and same, "self-check failed"
     print(f"self-check passed in {time.time() - t0:.1f}s")

@@ -7,6 +7,8 @@ import resource
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -27,6 +29,12 @@ ARGS = ModelArgs(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attent
                  num_nextn_predict_layers=0)
 
 
+def post(url, path, body):
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+
+
 @pytest.mark.slow
 def test_1500_requests_in_flight_each_answered_whole(tmp_path):
     save_pretrained(randomize_(Transformer(ARGS, dtype=torch.float32), 4, 2, 0), str(tmp_path))
@@ -43,9 +51,18 @@ def test_1500_requests_in_flight_each_answered_whole(tmp_path):
                 peak[0] = max(peak[0], len(os.listdir(f"/proc/{proc.pid}/fd")))
         threading.Thread(target=count_descriptors, daemon=True).start()
         prompts = [[5, 9, 2 + i % 50] for i in range(1500)]
-        # a decode batch of 32: the requests queue in the engine, so their 1,500 sockets are open together
-        groups = RolloutClient(url, max_concurrency=1500).generate(prompts, 1, {"max_new_tokens": 8, "ignore_eos": True},
-                                                                  seed=0)
+        # paused while they arrive, so that all 1,500 sockets are open together however fast the box drains them
+        post(url, "/pause_generation", {"mode": "in_place"})
+        out = {}
+        sender = threading.Thread(target=lambda: out.update(groups=RolloutClient(url, max_concurrency=1500).generate(
+            prompts, 1, {"max_new_tokens": 8, "ignore_eos": True}, seed=0)))
+        sender.start()
+        deadline = time.time() + 120
+        while peak[0] < 1500 and time.time() < deadline:
+            time.sleep(0.1)
+        post(url, "/continue_generation", {})
+        sender.join()
+        groups = out["groups"]
         done.set()
     finally:
         proc.terminate()
