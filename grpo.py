@@ -88,7 +88,8 @@ def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", dev
     router picks there, its indexer none. args: the ModelArgs they are checked against. A group whose advantages are
     None (inert_group) adds rows with no mask, weight or replayed ids.
     pack: 0, a sample a row; else samples packed into rows (pack_rows, starting at multiples of pack) with "seg"
-    [B, T], each token's sample in its row (-1: padding), which the model reads to keep the samples apart."""
+    [B, T], each token's sample in its row (-1: padding), which the model reads to keep the samples apart (left out of
+    a micro-batch whose rows hold one sample each)."""
     samples = [(prompt, s, a) for prompt, ss, advs in groups for s, a in zip(ss, advs or [None] * len(ss))]
     lengths = [len(p) + len(s["output_ids"]) for p, s, _ in samples]
     T, rows = pack_rows(lengths, pack, pad_to) if pack else (None, [[(j, 0)] for j in range(len(samples))])
@@ -98,7 +99,9 @@ def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", dev
         mb = {k: torch.zeros(len(chunk), L, dtype=d) for k, d in (("input_ids", torch.long), ("tgt", torch.long),
               ("mask", torch.bool), ("adv", torch.float32), ("rollout_lp", torch.float32), ("weight", torch.float32),
               ("first", torch.bool))}
-        if pack:
+        # rows of one sample each need no "seg": its masks cost ~20% of a GPU step and keep nothing apart
+        shared = any(len(row) > 1 for row in chunk)
+        if shared:
             mb["seg"] = torch.full((len(chunk), L), -1, dtype=torch.long)
         for name, (cols, shape) in (replay or {}).items():
             mb[name] = torch.full((len(chunk), L, len(cols), shape[1]), -1, dtype=torch.int32)
@@ -108,7 +111,7 @@ def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", dev
                 ids, P, R = p + s["output_ids"], len(p), len(s["output_ids"])
                 mb["input_ids"][b, o:o + n] = torch.tensor(ids)
                 mb["tgt"][b, o:o + n - 1] = torch.tensor(ids[1:])  # a sample's last token scores nothing
-                if pack:
+                if shared:
                     mb["seg"][b, o:o + n] = k
                 if a is None:  # inert: tokens to run, nothing to learn
                     continue

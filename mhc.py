@@ -45,7 +45,8 @@ def sinkhorn_entries(comb, iters, eps):
     written as additions: pointwise work only, which inductor fuses into a few kernels, where the batched loop's
     2 * iters small reductions compile to some 40 kernels of ~1 µs each (most of the kernels of a decode step).
     Used by compiled code without autograd only: with a backward, this form takes inductor several times as long to
-    compile for no gain at training's token counts, and eager, the batched loop is faster. comb [..., n, n] -> [..., n, n]"""
+    compile for no gain at training's token counts, and eager, the batched loop is faster.
+    comb [..., n, n] -> [..., n, n]"""
     n = comb.shape[-1]
     c = [[comb[..., i, j] for j in range(n)] for i in range(n)]  # c[i][j]: row i, column j
 

@@ -202,8 +202,8 @@ def stage_forward(model, x, ids, recompute=False, replay=None, stats=None, seg=N
     """x: [B, T, n, D] from the previous stage, or None on the first -> this stage's streams (the last stage's go on to
     model.head_loss). Every stage gets the token ids: hash-routed layers read them, wherever they sit. The caller enters
     model.numerics() (set_invariant's sums), so that the head and the loss are inside too. replay: the micro-batch's
-    replayed ids, this stage's layers (Transformer.replay_kwargs), and stats its routers' counts. seg: its packed samples
-    (grpo.make_microbatches' "seg", Attention.forward), or None."""
+    replayed ids, this stage's layers (Transformer.replay_kwargs), and stats its routers' counts. seg: its packed
+    samples (grpo.make_microbatches' "seg", Attention.forward), or None."""
     model.stack_experts()
     if x is None:
         x = model.embed_streams(ids)

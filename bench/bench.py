@@ -335,9 +335,9 @@ def bench_sync(args, dtype, device, versions):
             save_weights(model, grid, f"{d}/start", args, quant)  # the server starts from the trainer's weights
             for gpu, modes in plans:
                 env = dict(os.environ, **({} if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu)}))
-                proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--model", f"{d}/start", "--port", "0",
-                                         "--dtype", cli.dtype, "--device", device.type, "--quant", quant,
-                                         "--max-len", "256"], stdout=subprocess.PIPE, text=True, env=env)
+                cmd = [sys.executable, os.path.join(ROOT, "server.py"), "--model", f"{d}/start", "--port", "0",
+                       "--dtype", cli.dtype, "--device", device.type, "--quant", quant, "--max-len", "256"]
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
                 ready = next(line for line in proc.stdout if "ready at" in line)
                 client = RolloutClient(ready.split("ready at ")[1].split()[0])
                 for i, (mode, flat) in enumerate(modes):

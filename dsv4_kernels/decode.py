@@ -29,10 +29,10 @@ from . import INTERPRETED, _dot, _jit, tl, triton
 # Here a program takes one expert and a block of BLOCK_N output columns, and runs the expert's rows past them BLOCK_M
 # at a time: the up kernel the gate and up rows of w13 with the clamped SwiGLU and the routing weight (h, in the rows'
 # dtype), the down kernel h times w2. It beat aten's at 64 and 256 tokens on an H200 (the one-off probe that timed
-# it, bench/probe_moe_decode.py, is in git history). An expert with no rows reads nothing. For many rows an expert (prefill, training)
-# aten's tiles are the better choice: grouped_experts takes these for decode steps only, up to EXPERT_ROWS rows an
-# expert. The shared expert rides along as one more expert, its rows the tokens themselves: that adds 3 MB to the
-# 302 MB the kernels read, where on its own it is 3-4 kernels a layer of 1.6-3.6 us each.
+# it, bench/probe_moe_decode.py, is in git history). An expert with no rows reads nothing. For many rows an expert
+# (prefill, training) aten's tiles are the better choice: grouped_experts takes these for decode steps only, up to
+# EXPERT_ROWS rows an expert. The shared expert rides along as one more expert, its rows the tokens themselves: that
+# adds 3 MB to the 302 MB the kernels read, where on its own it is 3-4 kernels a layer of 1.6-3.6 us each.
 
 @_jit
 def _expert_rows(offs_ptr, e, R, NT, SB, SHARED: tl.constexpr, BLOCK_M: tl.constexpr):

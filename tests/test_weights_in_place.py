@@ -24,7 +24,8 @@ def addresses(model):
 def test_an_update_decodes_the_new_weights_in_the_old_tensors():
     dev, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     old, new = (randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
-                           SMALL.num_experts_per_tok, seed=s).set_kernels(True).set_dtype(dtype).to(dev) for s in (1, 2))
+                           SMALL.num_experts_per_tok, seed=s).set_kernels(True).set_dtype(dtype).to(dev)
+                for s in (1, 2))
     prompts = [[5, 9, 2, 7], list(range(20, 47))]
     params = [SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=s) for s in range(2)]
     served = copy.deepcopy(old)
