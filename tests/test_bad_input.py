@@ -4,8 +4,6 @@ import json
 import random
 import re
 import socket
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import torch
 import server
 from model_dsv4 import ModelArgs, Transformer
 from server import ENDPOINTS, SAMPLING_KEYS
+from helpers.script import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "fuzz-key"
@@ -189,8 +188,8 @@ def test_config_fuzz_is_a_usage_error_naming_the_key(monkeypatch):
                                          (["--rollout_max_batch=-3"], "rollout_max_batch=-3: must be positive"),
                                          (["--max_steps=-1"], "max_steps=-1: must be at least 0")])
 def test_train_grpo_exits_2_on_bad_config(args, expect):
-    p = subprocess.run([sys.executable, "train_grpo.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and re.search(expect, p.stderr), p.stderr[-2000:]
+    code, _, err = run_script("train_grpo.py", *args)  # in this process: the check comes before anything is built
+    assert code == 2 and re.search(expect, err), err[-2000:]
 
 
 def test_nothing_unpickles_foreign_bytes():

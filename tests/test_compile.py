@@ -4,6 +4,7 @@ graphs of the compiled layers step after step, the compiles a GRPO run's new sha
 site: one model compiled leaves the modules' functions and other models eager. The engine's side and the startup
 refusals: test_compile_engine.py. The `compile_layers` fixture: conftest.py."""
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,16 +23,17 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
     again inside the backward) gives the same logits and gradients as the compiled step without it. Then the GRPO
     step's shapes: micro-batches of other sizes and lengths, padded as train_grpo pads them (a multiple of the
     window and the compress ratios), and the GRPO loss compile nothing after their first: the batch and length are
-    symbolic from the first call (compile_policy._dynamic_dims)."""
+    symbolic from the first call (compile_policy._dynamic_dims). Three layers, one of each kind (a kind compiles in
+    ~15 s on 2 CPU cores): CSA with a hash router, window and HCA with learned ones."""
     import parallel
     from grpo import grpo_loss, make_microbatches
     from model_dsv4 import length_multiple
-    dev = "cuda" if CUDA else "cpu"
-    m32 = randomize_(Transformer(copy.deepcopy(SMALL), dtype=torch.float32), SMALL.n_routed_experts,
-                     SMALL.num_experts_per_tok, seed=4).set_kernels(True).to(dev)
+    dev, args = "cuda" if CUDA else "cpu", replace(SMALL, num_hidden_layers=3, compress_ratios=[4, 0, 128, 0])
+    m32 = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,
+                     args.num_experts_per_tok, seed=4).set_kernels(True).to(dev)
     bf = copy.deepcopy(m32).set_dtype(torch.bfloat16)
-    pad_to = length_multiple(SMALL)  # train_grpo's, 128
-    ids = torch.randint(0, SMALL.vocab_size, (2, 2 * pad_to), generator=torch.Generator().manual_seed(5)).to(dev)
+    pad_to = length_multiple(args)  # train_grpo's, 128
+    ids = torch.randint(0, args.vocab_size, (2, 2 * pad_to), generator=torch.Generator().manual_seed(5)).to(dev)
 
     def run(m, recompute=False, ids=ids):  # the trainer's stage and its last stage's head_loss
         probe = lambda lg, mb: (lg.log_softmax(-1)[..., 3].mean(), lg.detach())
@@ -63,33 +65,6 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
         if n == 3:
             graphs = counters["stats"]["unique_graphs"]  # the GRPO loss's (and token_logprobs') first compile
     assert counters["stats"]["unique_graphs"] == graphs
-
-
-@pytest.mark.slow
-def test_reference_expert_loop_runs_eagerly_in_compiled_layers(compile_layers):
-    """fp32 on a GPU (and kernels off anywhere) takes MoE.loop_experts, which reads the row counts on the host:
-    compiled layers call it eagerly (a graph break: inductor fails on its data-dependent slices on an H200, in
-    train_grpo.py's fp32 default) and give eager's logits and gradients."""
-    dev, args = "cuda" if CUDA else "cpu", copy.deepcopy(SMALL)
-    args.num_hidden_layers, args.num_nextn_predict_layers = 1, 0  # one layer: one graph to compile
-    args.compress_ratios, args.num_hash_layers = args.compress_ratios[:1], 0
-    model = randomize_(Transformer(args, dtype=torch.float32), args.n_routed_experts, args.num_experts_per_tok,
-                       seed=4).set_kernels(False).to(dev)
-
-    def run(ids):
-        logits = model(ids)
-        logits.log_softmax(-1)[..., 3].mean().backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-        model.zero_grad()
-        return logits.detach(), grads
-    batches = [torch.randint(0, SMALL.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4)).to(dev)]
-    eager = [run(ids) for ids in batches]
-    counters = compile_layers(model)
-    for ids, (logits, grads) in zip(batches, eager):
-        c_logits, c_grads = run(ids)
-        assert (c_logits - logits).abs().max() <= 1e-4 * logits.abs().max()
-        assert (c_grads - grads).abs().max() <= 1e-4 * grads.abs().max()
-    assert any("loop_experts" in k for k in counters["graph_break"])
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")
@@ -160,27 +135,44 @@ def test_compiled_grpo_losses_equal_eager():
 
 
 @pytest.mark.slow
-def test_compile_at_the_call_site_changes_only_the_model_compiled(compile_layers):
+def test_compile_at_the_call_site_changes_only_that_model_whose_expert_loop_runs_eagerly(compile_layers):
     """compile_model gives one model's blocks, head and head_loss compiled callables of their own: the classes' and
-    modules' functions stay eager, so another model (or a fork's new loss) is untouched and runs eager."""
+    modules' functions stay eager, so another model (or a fork's new loss) is untouched and runs eager. fp32 on a GPU
+    (and kernels off anywhere) takes MoE.loop_experts, which reads the row counts on the host: compiled layers call it
+    eagerly (a graph break: inductor fails on its data-dependent slices on an H200, in train_grpo.py's fp32 default)
+    and give eager's logits and gradients. One block of each model: which model compiles matters here, not how
+    much."""
     import grpo
     import model_dsv4
     before = (model_dsv4.Block.forward, model_dsv4.Transformer.logits, model_dsv4.Transformer.head_loss,
               grpo.grpo_loss, grpo.token_logprobs)
-    args = copy.deepcopy(SMALL)
-    args.num_hidden_layers = 1  # one block and the head: which model compiles matters here, not how much
-    a, b = (Transformer(args, dtype=torch.float32) for _ in range(2))
-    counters = compile_layers(a)
+    dev, args = "cuda" if CUDA else "cpu", copy.deepcopy(SMALL)
+    args.num_hidden_layers, args.num_nextn_predict_layers = 1, 0
+    args.compress_ratios, args.num_hash_layers = [0], 0  # a window layer: the cheapest kind to compile
+    model, other = (randomize_(Transformer(args, dtype=torch.float32), args.n_routed_experts,
+                               args.num_experts_per_tok, seed=4).set_kernels(False).to(dev) for _ in range(2))
+
+    def run(m, ids):
+        logits = m(ids)
+        logits.log_softmax(-1)[..., 3].mean().backward()
+        grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+        m.zero_grad()
+        return logits.detach(), grads
+    ids = torch.randint(0, SMALL.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4)).to(dev)
+    logits, grads = run(model, ids)
+    counters = compile_layers(model)
     counters.clear()  # dynamo's counters outlive its reset: this test's own
     assert before == (model_dsv4.Block.forward, model_dsv4.Transformer.logits, model_dsv4.Transformer.head_loss,
                       grpo.grpo_loss, grpo.token_logprobs)
-    assert all("forward" in vars(layer) for layer in a.layers.values()) and "logits" in vars(a)
-    assert not any("forward" in vars(layer) for layer in b.layers.values()) and "logits" not in vars(b)
-    ids = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    b(ids)
+    assert all("forward" in vars(layer) for layer in model.layers.values()) and "logits" in vars(model)
+    assert not any("forward" in vars(layer) for layer in other.layers.values()) and "logits" not in vars(other)
+    run(other, ids)
     assert counters["stats"]["unique_graphs"] == 0  # the other model ran eager
-    a(ids)
+    c_logits, c_grads = run(model, ids)
     assert counters["stats"]["unique_graphs"] >= 2
+    assert (c_logits - logits).abs().max() <= 1e-4 * logits.abs().max()
+    assert (c_grads - grads).abs().max() <= 1e-4 * grads.abs().max()
+    assert any("loop_experts" in k for k in counters["graph_break"])
 
 
 def test_compiled_head_loss_equals_eager(compile_layers):

@@ -5,12 +5,11 @@ import hashlib
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from eval_aime import INT_RE, load_problems
+from helpers.script import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "config")) if f.endswith(".py"))
@@ -93,24 +92,16 @@ def test_relative_path_from_the_working_directory_then_the_repository(tmp_path, 
         load_problems("data/aime2026.jsonl", key="eval_data")
 
 
-def train_grpo(tmp_path, *args, cwd=None):
-    """train_grpo.py, from tmp_path unless told, with the default init_from='' (it would train an SFT base first)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train_grpo.py"), f"--out_dir={tmp_path / 'out'}", *args],
-                          cwd=cwd or tmp_path, capture_output=True, text=True, timeout=120, env=env)
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("key,value,says", [
     ("data", "nowhere/dapo.jsonl", "no such file"),
     ("eval_data", "data/aime2026.parquet", "no such file"),
     ("data", "nobody/no-such-dataset", "hub dataset name, which needs the datasets package and network")])
 def test_missing_data_stops_before_the_base_and_the_model(tmp_path, key, value, says):
-    p = train_grpo(tmp_path, f"--{key}={value}")
-    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
-    err = p.stderr.strip().splitlines()[-1]
+    code, out, err = run_script("train_grpo.py", f"--out_dir={tmp_path / 'out'}", f"--{key}={value}")  # in this process
+    assert code == 2, out[-2000:] + err[-2000:]
+    err = err.strip().splitlines()[-1]
     assert err.startswith(f"error: {key}={value!r}: ") and says in err and f"give --{key}=<a .jsonl" in err, err
-    assert "no base in" not in p.stdout and "building the model" not in p.stdout
+    assert "no base in" not in out and "building the model" not in out
     assert not os.path.exists(tmp_path / "out")  # nothing trained, nothing written
 
 
@@ -118,7 +109,8 @@ def test_missing_data_stops_before_the_base_and_the_model(tmp_path, key, value, 
 def test_shipped_eval_data_found_from_another_directory_and_dry_run_reads_none(tmp_path):
     """The seed config's dry run plans memory without reading its data (a hub name: no network here). The shipped
     eval_data is found from another directory: the run gets past the data to the (planted) bad init_from."""
-    p = train_grpo(tmp_path, "config/mi355x.py", "--dry_run=True", cwd=ROOT)
-    assert p.returncode == 0 and "Memory plan" in p.stdout, p.stderr[-2000:]
-    p = train_grpo(tmp_path, "--data=toy", "--eval_data=data/aime2025.jsonl", "--eval_limit=3", "--init_from=nowhere")
-    assert p.returncode == 2 and "init_from='nowhere' is not a checkpoint directory" in p.stderr, p.stderr[-2000:]
+    code, out, err = run_script("train_grpo.py", f"--out_dir={tmp_path / 'out'}", "config/mi355x.py", "--dry_run=True")
+    assert code == 0 and "Memory plan" in out, err[-2000:]
+    code, _, err = run_script("train_grpo.py", f"--out_dir={tmp_path / 'out'}", "--data=toy",
+                              "--eval_data=data/aime2025.jsonl", "--eval_limit=3", "--init_from=nowhere", cwd=tmp_path)
+    assert code == 2 and "init_from='nowhere' is not a checkpoint directory" in err, err[-2000:]

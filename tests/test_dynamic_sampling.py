@@ -47,5 +47,5 @@ def test_dynamic_sampling_trains_the_same_batch_on_any_layout(tmp_path, math_bas
     w0, w1, w4 = (weights(d) for d in (math_base, tmp_path / "one" / "ckpt_000001", tmp_path / "four" / "ckpt_000001"))
     moved = max((w1[k] - w0[k]).abs().max().item() for k in w1)
     # AdamW's first step moves an entry by up to lr (1e-4) and a different batch moves many by that much; rounding
-    # that differs between the layouts shows only where a gradient is within a few 1e-8 of 0 (see test_grpo.py)
+    # that differs between the layouts shows only where a gradient is within a few 1e-8 of 0 (see test_replay.py)
     assert moved > 5e-5 and max((w1[k] - w4[k]).abs().max().item() for k in w1) <= 1e-5, moved

@@ -5,9 +5,7 @@ import pytest
 import torch
 
 from grpo import group_advantages, grpo_loss, keep_group, make_microbatches
-from helpers.grpo_base import ARGS as BASE_ARGS, assert_policy_gradient, base_checkpoint, run, weights
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers.grpo_base import ARGS as BASE_ARGS, assert_policy_gradient, base_checkpoint, run
 
 
 def test_advantages_and_dynamic_sampling():
@@ -122,26 +120,14 @@ def base(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_smoke_and_resume_equals_uninterrupted(tmp_path, base):
+def test_smoke_two_steps_train_on_policy(tmp_path, base):
+    """Two steps of the real entry point train (tokens, a policy gradient) and score strictly on-policy. Resuming
+    equals the uninterrupted run: test_faults.py (a SIGTERM's checkpoint, then --resume=True)."""
     full = run(tmp_path / "a", "--max_steps=2", "--checkpoint_interval=2", *base)  # the last step's only
     assert [r["step"] for r in full] == [0, 1] and all(r["train_tokens"] > 0 for r in full)
     assert_policy_gradient(full)
-    run(tmp_path / "b", "--max_steps=1", *base)
-    resumed = run(tmp_path / "b", "--max_steps=2", "--resume=True", *base)
-    # Same tokens, rewards and losses. The rollout logprobs are not bit-identical (the server batches requests in
-    # arrival order, and BLAS rounds small batches differently: they move in the 7th digit), but without TIS
-    # (grpo_base.ARGS) the loss does not read them.
-    a, b = full[1], resumed[-1]
-    for k in ("reward_mean", "reward_std", "response_len_mean", "entropy", "grad_norm"):
-        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-8), k
-    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)  # on-policy, -mean advantage: 0 but for rounding
-    assert abs(a["logprob_abs_diff"] - b["logprob_abs_diff"]) < 1e-6
-    # The weights come out equal (0 measured). 2e-5 is the room a run with TIS needs: AdamW turns 7th-digit logprobs
-    # into a few 1e-6 where a gradient is near zero. A resume that lost optimizer state or the data cursor would move
-    # them by the order of one update (~lr, 3e-4; 5e-4 measured without the optimizer state).
-    wa, wb = weights(tmp_path / "a" / "ckpt_000001"), weights(tmp_path / "b" / "ckpt_000001")
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 2e-5
     assert full[0]["ratio_abs_dev"] == 0.0 and full[0]["pg_clipfrac"] == 0.0  # strictly on-policy
+    assert os.listdir(tmp_path / "a" / "ckpt_000001")
 
 
 @pytest.mark.slow
@@ -152,28 +138,6 @@ def test_minibatches_score_against_the_policy_before_the_step(tmp_path, base):
     rows = run(tmp_path / "m", "--max_steps=1", "--n_minibatches=2", "--lr=3e-3", *base)
     assert_policy_gradient(rows)
     assert rows[0]["ratio_abs_dev"] > 1e-4, rows[0]["ratio_abs_dev"]
-
-
-@pytest.mark.slow
-def test_grpo_step_pp2_ep2_equals_one_rank(tmp_path, base):
-    every = "--trainable=all", "--lr=3e-3"  # one step: every parameter trained and compared
-    one = run(tmp_path / "one", "--max_steps=1", *base, *every)
-    four = run(tmp_path / "four", "--max_steps=1", "--pp_size=2", "--ep_size=2", *base, *every, nproc=4)
-    assert_policy_gradient(one)
-    for k in ("reward_mean", "reward_std", "entropy", "grad_norm", "train_tokens"):
-        assert one[0][k] == pytest.approx(four[0][k], rel=1e-5, abs=1e-7), k
-    assert one[0]["loss"] == pytest.approx(four[0]["loss"], abs=1e-6)  # -mean advantage: 0 but for rounding
-    w0 = weights(base[0].removeprefix("--init_from="))
-    w1, w4 = weights(tmp_path / "one" / "ckpt_000000"), weights(tmp_path / "four" / "ckpt_000000")
-    assert set(w1) == set(w4)
-    # AdamW's first step moves an entry by lr * g / (|g| + 1e-8): where g is within a few 1e-8 of 0, the fp32
-    # rounding in which the layouts differ shows (2e-5 to 1e-4 measured, a few entries a tensor; 3e-6 to 3e-5 of the
-    # update's norm). A layout that lost or misplaced part of the gradient moves entries by up to 2 lr (6e-3), and
-    # the update by a sizeable part of its norm.
-    norm = lambda d: sum(v.double().square().sum() for v in d.values()).sqrt().item()
-    diff = {k: w1[k] - w4[k] for k in w1}
-    assert max(v.abs().max().item() for v in diff.values()) <= 5e-4
-    assert norm(diff) <= 1e-3 * norm({k: w1[k] - w0[k] for k in w1})
 
 
 @pytest.mark.slow
