@@ -77,7 +77,10 @@ def reference(tmp_path_factory, spread):
     assert code == 0, log[-3000:]
     assert ckpts(out) == ["ckpt_000001"]  # keep_checkpoints=1: the older one went
     assert f"checkpoint {out}/ckpt_000001: " in log and " GB/s)" in log, log[-3000:]  # its size, time and rate
-    return metrics(out), out
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == [0, 1] and all(r["train_tokens"] > 0 for r in recs)
+    assert recs[0]["ratio_abs_dev"] == 0.0 and recs[0]["pg_clipfrac"] == 0.0  # one minibatch: strictly on-policy
+    return recs, out
 
 
 @pytest.mark.slow
