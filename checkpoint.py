@@ -43,7 +43,8 @@ def save_pretrained(model, path, dtype=None, shard_bytes=4 << 30):
         save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in shard})
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": sum(v.nbytes for v in sd.values())}, "weight_map": weight_map}, f, indent=1)
+        total = sum(v.nbytes for v in sd.values())
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(model.args.to_json(), f, indent=1)
 
@@ -100,7 +101,9 @@ def load_weights(model, path, strict=True, device="cpu"):
     expected = model.state_dict()
     sd = load_state_dict(path, list(expected))
     missing = sorted(set(expected) - set(sd))
-    unexpected = sorted(k for k in checkpoint_index(path) if k not in expected and not k.endswith(".scale")) if strict else []
+    unexpected = []
+    if strict:
+        unexpected = sorted(k for k in checkpoint_index(path) if k not in expected and not k.endswith(".scale"))
     shapes = sorted(f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(v.shape)}"
                     for k, v in expected.items() if k in sd and sd[k].shape != v.shape)
     if missing or unexpected or shapes:

@@ -6,7 +6,7 @@ Trainer vs rollout engine: the logprobs of the same tokens, and where two implem
     python compare_logprobs.py --table                           # the README table (four pairs)
     python compare_logprobs.py --layers --trainer fp32 --engine bf16     # first layer and module where they part
     python compare_logprobs.py --layers --inject_bug 3           # a planted bug: layer 3's mHC comb untransposed
-    python compare_logprobs.py --table --invariant               # both sides path-invariant: the aligned pairs agree exactly
+    python compare_logprobs.py --table --invariant               # both sides path-invariant: the pairs agree exactly
     python compare_logprobs.py --rollout_url http://localhost:30000 --init_from out/ckpt --trainer bf16
     python compare_logprobs.py --table --replay all --init_from out/base --prompts math   # routing / indexer replay
     torchrun --nproc_per_node=4 compare_logprobs.py --pp 2 --ep 2   # the trainer as a PP x EP layout (parallel.py)
@@ -203,7 +203,8 @@ def compare(scores, samples, n_worst=5, decode=None):
         i, j, a, b = rows[k]
         p, o, _ = samples[i]
         ctx = (p + o)[max(0, len(p) + j - 8):len(p) + j]
-        print(f"  sample {i:2d} pos {j:3d} token {o[j]:6d} | {a:8.4f} vs {b:8.4f} (|d| {abs(a - b):.2e}) | after {decode(ctx)}")
+        print(f"  sample {i:2d} pos {j:3d} token {o[j]:6d} | {a:8.4f} vs {b:8.4f} (|d| {abs(a - b):.2e}) | "
+              f"after {decode(ctx)}")
     return res
 
 
@@ -306,7 +307,8 @@ def print_layers(errs, first, tol):
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="config/models/tiny.json", help="model shape when starting from scratch")
     ap.add_argument("--init_from", default="", help="a checkpoint directory (else a random model, see wide_init_)")
     ap.add_argument("--rollout_url", default="", help="sample from these servers instead of the embedded engine")
@@ -314,11 +316,13 @@ if __name__ == "__main__":
     ap.add_argument("--trainer", default="fp32", choices=PRECISIONS)
     ap.add_argument("--engine", default="fp32", choices=PRECISIONS)
     ap.add_argument("--table", action="store_true", help="fp32/fp32, bf16/bf16, bf16/fp8, fp8/fp8 as a table")
-    ap.add_argument("--invariant", action="store_true", help="both sides path-invariant (model.set_invariant): what closes the gap")
+    ap.add_argument("--invariant", action="store_true",
+                    help="both sides path-invariant (model.set_invariant): what closes the gap")
     ap.add_argument("--n_prompts", type=int, default=8)
     ap.add_argument("--prompts", default="random", choices=["random", "toy", "math"],
                     help="random ids, the toy task's prompts, or the math task's held-out problems (a base's task)")
-    ap.add_argument("--math", default="2,1", help="--prompts math: operations per problem, digits per operand (a base's task)")
+    ap.add_argument("--math", default="2,1",
+                    help="--prompts math: operations per problem, digits per operand (a base's task)")
     ap.add_argument("--replay", default="none", choices=[*MODES, "all"],
                     help="re-score through the engine's experts (routing) and indexer picks (both), or each in turn")
     ap.add_argument("--max_new_tokens", type=int, default=48)
@@ -328,7 +332,8 @@ if __name__ == "__main__":
     ap.add_argument("--engine_path", default="cache", choices=["cache", "forward"], help="--layers: engine side runs")
     ap.add_argument("--tol", type=float, default=1e-3, help="--layers: relative error that counts as parting")
     ap.add_argument("--inject_bug", type=int, default=-1, help="engine side: layer whose mHC comb is untransposed")
-    ap.add_argument("--device", default="", help="'' = cuda when there is a GPU (the rank's own under torchrun), else cpu")
+    ap.add_argument("--device", default="",
+                    help="'' = cuda when there is a GPU (the rank's own under torchrun), else cpu")
     ap.add_argument("--pp", type=int, default=1, help="under torchrun: the trainer as pp stages (parallel.py)")
     ap.add_argument("--ep", type=int, default=1, help="under torchrun: experts sharded over ep ranks")
     a = ap.parse_args()
@@ -353,14 +358,17 @@ if __name__ == "__main__":
     tok = load_tokenizer(a.tokenizer) if a.tokenizer else None
     decode = (lambda ids: repr(tok.decode(ids))) if tok else None
 
-    pairs = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")] if a.table else [(a.trainer, a.engine)]
+    pairs = [(a.trainer, a.engine)]
+    if a.table:
+        pairs = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")]
     if a.table and a.rollout_url:  # the server's precision is its own: the trainer's vary
         pairs = [(tp, "server") for tp in ("fp32", "bf16", "fp8")]
     modes = list(MODES) if a.replay == "all" else [a.replay]
     # the engine's picks: to replay, and to count where the trainer's differ (a server: with its flags, if asked)
     record = MODES["both"] if not a.rollout_url or a.replay != "none" else ()
     m, csa = base.args, len(replay.csa_layers(base.args))
-    print(f"replayed ids: {4 * (m.num_hidden_layers * m.num_experts_per_tok + csa * m.index_topk)} bytes a token (int32: "
+    ids_bytes = 4 * (m.num_hidden_layers * m.num_experts_per_tok + csa * m.index_topk)
+    print(f"replayed ids: {ids_bytes} bytes a token (int32: "
           f"{m.num_hidden_layers} layers x {m.num_experts_per_tok} experts, {csa} CSA layers x {m.index_topk} picks)")
     results = []
     for tp, ep in pairs:
@@ -392,8 +400,9 @@ if __name__ == "__main__":
             name = f"trainer {tp} vs " + (f"server {a.rollout_url}" if a.rollout_url else f"engine {ep}") + \
                 f", replay {mode}"
             res = compare(scores, samples, decode=decode)
-            res.update(t_score=t_score, peak_mib=peak_mib, **(pick_disagreement(trainer, samples, records, MODES[mode]) if grid is None
-                                           and record else {}))
+            res.update(t_score=t_score, peak_mib=peak_mib)
+            if grid is None and record:
+                res.update(pick_disagreement(trainer, samples, records, MODES[mode]))
             results.append(((tp, ep, mode), name, res))
             picks = {"experts differ": res.get("experts_differ"), "indexer rows differ": res.get("index_rows_differ"),
                      "indexer picks missed": res.get("index_picks_missed")}
@@ -403,12 +412,16 @@ if __name__ == "__main__":
             whole = prepare(base, tp, a.invariant)
             one = [trainer_logprobs(whole, p, o, a.temperature, rec=r) for (p, o, _), r in zip(samples, recs)]
             diff = max((x - y).abs().max().item() for x, y in zip(scores, one))
-            print(f"trainer as pp {grid.pp_size} x ep {grid.ep_size} (dp {grid.dp_size}) vs one process: max |d| {diff:.2e}")
+            print(f"trainer as pp {grid.pp_size} x ep {grid.ep_size} (dp {grid.dp_size}) vs one process: "
+                  f"max |d| {diff:.2e}")
         if a.layers:
             assert not a.rollout_url, "--layers hooks the engine's modules: it needs the embedded engine"
             p, o, _ = samples[0]
             rec_a = trace_forward(trainer, p + o)
-            rec_b = trace_forward(engine_model, p + o) if a.engine_path == "forward" else trace_engine(engine_model, p + o, len(p))
+            if a.engine_path == "forward":
+                rec_b = trace_forward(engine_model, p + o)
+            else:
+                rec_b = trace_engine(engine_model, p + o, len(p))
             print(f"--layers: trainer {tp} (full forward) vs engine {ep} ({a.engine_path}), {len(p + o)} tokens")
             print_layers(*first_divergence(rec_a, rec_b, a.tol), a.tol)
     if a.table and report:

@@ -326,8 +326,8 @@ class Engine:
 
     def _weights_in_place(self):
         """Experts read in place by the grouped GEMM (Transformer.stack_experts), and each layer's attention input
-        projections by one GEMM (Transformer.fuse_projections). Done again where something replaced the parameters (a dtype
-        cast), and then the CUDA graphs, which read the old tensors, are dropped."""
+        projections by one GEMM (Transformer.fuse_projections). Done again where something replaced the parameters (a
+        dtype cast), and then the CUDA graphs, which read the old tensors, are dropped."""
         if self.model.stack_experts() | self.model.fuse_projections():  # both, always
             self.graphs = self.graphs and {}  # {} or None as before, without the stale captures
 

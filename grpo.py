@@ -202,7 +202,8 @@ def rollout_metrics(rstats, version, grid):
     mx = torch.tensor([lens.max().item() if len(lens) else 0.0], device=grid.device)
     parallel.all_reduce(t, grid.dp_group, "rollout metrics")
     parallel.all_reduce(mx, grid.dp_group, "rollout length max", op=dist.ReduceOp.MAX)
-    tot = dict(zip(("r", "r2", "correct", "n", "tokens", "truncated", "groups", "kept", "stale", "retried"), t.tolist()))
+    names = ("r", "r2", "correct", "n", "tokens", "truncated", "groups", "kept", "stale", "retried")
+    tot = dict(zip(names, t.tolist()))
     n = max(tot["n"], 1)
     return {"reward_mean": tot["r"] / n, "reward_std": math.sqrt(max(tot["r2"] / n - (tot["r"] / n) ** 2, 0)),
             "accuracy": tot["correct"] / n, "response_len_mean": tot["tokens"] / n, "response_len_max": mx.item(),
@@ -239,5 +240,7 @@ def train_metrics(m, grid):
     replayed.update({"replay_ids_mib": m["replay_ids_mib"]} if "replay_ids_mib" in m else {})  # the most on a rank
     return {**replayed, "loss": s.get("loss", 0), "pg_clipfrac": s.get("clip", 0) / n, "approx_kl": s.get("kl", 0) / n,
             "entropy": s.get("entropy", 0) / n, "logprob_abs_diff": s.get("lp_diff", 0) / n,
-            "logprob_abs_diff_max": mx.item(), "logprob_abs_diff_first": s.get("lp_diff_first", 0) / max(s.get("n_first", 0), 1),
-            "tis_mean": s.get("tis", 0) / n, "ratio_abs_dev": s.get("ratio_dev", 0) / n, "train_tokens": s.get("n_tok", 0)}
+            "logprob_abs_diff_max": mx.item(),
+            "logprob_abs_diff_first": s.get("lp_diff_first", 0) / max(s.get("n_first", 0), 1),
+            "tis_mean": s.get("tis", 0) / n, "ratio_abs_dev": s.get("ratio_dev", 0) / n,
+            "train_tokens": s.get("n_tok", 0)}

@@ -89,8 +89,9 @@ def verdict_key(args, device, dtype):
         triton = triton.__version__
     except ImportError:
         triton = None
-    return json.dumps([device_name(device), torch.__version__, triton, str(dtype), dataclasses.asdict(check_args(args)[0]),
-                       src.hexdigest()[:16]], sort_keys=True)
+    widths = dataclasses.asdict(check_args(args)[0])
+    return json.dumps([device_name(device), torch.__version__, triton, str(dtype), widths, src.hexdigest()[:16]],
+                      sort_keys=True)
 
 
 def cached_check(args, device, dtype, cache):

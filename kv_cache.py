@@ -240,8 +240,8 @@ class KVCache:
                 visible = visible & top_k_mask(score, attn.indexer.topk)
                 if "index" in c:  # recorded for replay
                     c["index"][slots, pos] = mask_picks(visible, attn.indexer.topk)
-        if fast:  # dsv4_kernels/decode_attention.py: keys read in place, the mask below worked out inside (but the indexer's
-            # picks), the output's RoPE undone inside, as output() rounds
+        if fast:  # dsv4_kernels/decode_attention.py: keys read in place, the mask below worked out inside (but the
+            # indexer's picks), the output's RoPE undone inside, as output() rounds
             o = decode_attention_triton(q[:, 0], c["win"], c["win_pos"], c.get("comp"), slots, pos, attn.ratio,
                                         attn.attn_sink, attn.softmax_scale, cos[:, 0], sin[:, 0],
                                         visible if attn.indexer is not None else None)[:, None]

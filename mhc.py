@@ -5,8 +5,9 @@ weights come from the streams themselves (fn's rows over an RMSNorm of all n * D
 and the streams' mix of each other is made doubly stochastic by Sinkhorn's alternating normalisation, so the
 residual neither grows nor shrinks. The last layer's streams collapse into one for the head (hc_head).
 
-The fast paths: dsv4_kernels.fast.hc_mixes_bf16 (the mixes on bf16 tensor cores) and dsv4_kernels.mhc_triton.sinkhorn_triton (the
-loop in one kernel); tests/test_model.py and tests/test_mhc_kernels.py check them against these references.
+The fast paths: dsv4_kernels.fast.hc_mixes_bf16 (the mixes on bf16 tensor cores) and
+dsv4_kernels.mhc_triton.sinkhorn_triton (the loop in one kernel); tests/test_model.py and tests/test_mhc_kernels.py
+check them against these references.
 """
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ def hc_split_sinkhorn(mixes, scale, base, n, iters, eps, fast=False):
 def sinkhorn(comb, iters, eps, fast=False):
     """comb [..., n, n] > 0 -> doubly stochastic: columns, then rows and columns iters - 1 times, each divided by
     its sum + eps."""
-    if fast and has_triton(comb):  # dsv4_kernels/mhc_triton.py: the loop in one Triton kernel (and one for the backward)
+    if fast and has_triton(comb):  # dsv4_kernels/mhc_triton.py: the loop in one Triton kernel (one more: backward)
         return sinkhorn_triton(comb, iters, eps)
     if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # decode: one tensor per entry (below)
         return sinkhorn_entries(comb, iters, eps)

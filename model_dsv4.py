@@ -57,7 +57,8 @@ class ModelArgs:
     compress_ratios: list = field(default_factory=lambda: [0, 0, 4, 16, 4, 16, 4, 0, 0])
     rope_theta: float = 10000.0  # ratio-0 layers, plain RoPE
     compress_rope_theta: float = 160000.0  # compressed layers, with YaRN
-    rope_scaling: dict = field(default_factory=lambda: {"type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
+    rope_scaling: dict = field(default_factory=lambda: {"type": "yarn", "factor": 4,
+                                                        "original_max_position_embeddings": 64,
                                                         "beta_fast": 32, "beta_slow": 1})
     index_n_heads: int = 4
     index_head_dim: int = 128
@@ -129,8 +130,8 @@ class ModelArgs:
             comp = dict(rp["compress"])
             args.compress_rope_theta = comp.pop("rope_theta", args.compress_rope_theta)
             if comp.get("rope_type", comp.get("type")) == "yarn":
-                args.rope_scaling = {"type": "yarn", **{k: comp[k] for k in ("factor", "original_max_position_embeddings",
-                                                                            "beta_fast", "beta_slow") if k in comp}}
+                keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+                args.rope_scaling = {"type": "yarn", **{k: comp[k] for k in keys if k in comp}}
             else:
                 args.rope_scaling = None
         if "partial_rotary_factor" in cfg and "qk_rope_head_dim" not in cfg:
@@ -440,7 +441,8 @@ class Attention(nn.Module):
         self.indexer = Indexer(args) if self.ratio == 4 else None
 
     def fused_names(self):
-        """The projections of the attention's input in the fused tensor's order (dsv4_kernels.fast.fused_projections)."""
+        """The projections of the attention's input in the fused tensor's order
+        (dsv4_kernels.fast.fused_projections)."""
         comp = ["compressor.wkv", "compressor.wgate"] if self.compressor is not None else []
         index = ["indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.weights_proj"] if self.indexer else []
         return ["wq_a", "wkv"] + comp + index

@@ -43,7 +43,12 @@ class Gate(nn.Module):
         if fast and replay is None and has_triton(logits) and not torch.is_grad_enabled():  # no grad, GPU: one kernel
             return route_triton(logits, self.tid2eid if self.hash else self.bias, ids, a.num_experts_per_tok, f,
                                 self.hash, a.norm_topk_prob, a.routed_scaling_factor)
-        scores = logits.softmax(-1) if f == "softmax" else logits.sigmoid() if f == "sigmoid" else F.softplus(logits).sqrt()
+        if f == "softmax":
+            scores = logits.softmax(-1)
+        elif f == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
         if self.hash:
             idx = self.tid2eid[ids]
         else:

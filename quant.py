@@ -197,7 +197,8 @@ def hadamard(x):
 # -----------------------------------------------------------------------------
 # which tensors are quantized, and how they travel (spec §4.3-4.5): the name table of quantized serving
 
-FP8_WEIGHTS = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123]|e_proj|h_proj)\.weight$")
+FP8_WEIGHTS = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123]|e_proj|h_proj)"
+                         r"\.weight$")
 FP4_WEIGHTS = re.compile(r"\.experts\.\d+\.w[123]\.weight$")  # routed experts (not shared_experts)
 QUANT_MODES = ("none", "fp8", "fp8_fp4")
 

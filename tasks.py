@@ -65,7 +65,8 @@ def prompt_ids(tokenizer, text, chat=True, thinking=True):
     BOS <｜User｜>text<｜Assistant｜> followed by <think> (thinking mode) or </think> (chat mode)."""
     if isinstance(tokenizer, ByteTokenizer) or not chat:
         return [tokenizer.bos_id] + tokenizer.encode(text)
-    head = "<｜begin▁of▁sentence｜><｜User｜>" + text + "<｜Assistant｜>" + ("<think>" if thinking else "</think>")
+    head = "<｜begin▁of▁sentence｜><｜User｜>" + text + "<｜Assistant｜>"
+    head += "<think>" if thinking else "</think>"
     return tokenizer.encode(head)
 
 
@@ -172,8 +173,8 @@ def math_problems(split, n, seed=0, steps=2, digits=1, ops="+-", words=0.0):
                 return out
     share = SPLITS[split][1] - SPLITS[split][0]
     raise ValueError(f"math task steps={steps} digits={digits} ops={ops!r}: its '{split}' pool ({share}% of the "
-                     f"computations) gave only {len(out)} distinct problems in {draws} draws, {n} asked; ask for fewer, "
-                     f"or raise steps or digits")
+                     f"computations) gave only {len(out)} distinct problems in {draws} draws, {n} asked; "
+                     f"ask for fewer, or raise steps or digits")
 
 
 def math_batch(rng, n, steps=2, digits=1, ops="+-", words=0.0, teacher_error=0.0, teacher_bug=0.0):

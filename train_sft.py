@@ -149,7 +149,8 @@ def save_and_evaluate(step):
         max_len = max(len(prompt_ids(tok, p['prompt'])) for p in test) + max_new_tokens
         engine = Engine(eval_model, max_batch=min(1024, len(test) * eval_n_samples), max_len=max_len)
         ev = evaluate(LocalClient(engine), tok, test, eval_n_samples,
-                      dict(temperature=eval_temperature, top_p=1.0, max_new_tokens=max_new_tokens), seed=seed, chat=False)
+                      dict(temperature=eval_temperature, top_p=1.0, max_new_tokens=max_new_tokens),
+                      seed=seed, chat=False)
         res = {f'eval_{k}': v for k, v in ev.items() if k != 'per_problem'}
         res['t_eval'], res['summary'] = time.time() - t, summary(ev)
     return parallel.broadcast_object(res, 0, grid.world_group, 'eval metrics')

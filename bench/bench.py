@@ -213,7 +213,8 @@ def bench_decode(ours, ref, args, device, versions):
     t_prefill = timed(lambda: run_ours(1), device)  # the prefill of the batch's prompts and its first token
     picked = experts_picked(ours, prompts)  # uniform routing would pick E (1 - (1 - K / E)^B) of a layer's E
     E, K, B = args.n_routed_experts, args.num_experts_per_tok, cli.batch
-    is_read = lambda n: ".experts." not in n or int(n.split(".")[4]) in picked[n.split(".")[1]]  # layers.L.ffn.experts.E
+    # n: layers.L.ffn.experts.E...; an expert's weights are read when a token picked it
+    is_read = lambda n: ".experts." not in n or int(n.split(".")[4]) in picked[n.split(".")[1]]
     w_bytes = sum(p.numel() * p.element_size() for n, p in ours.named_parameters()
                   if not n.startswith(("embed.", "mtp.")) and is_read(n))
     ctx, kv_el = cli.seq + cli.new_tokens / 2, args.head_dim * ours.dtype.itemsize
@@ -256,7 +257,8 @@ def bench_mismatch(ours, args, device, versions):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, args.vocab_size, (int(n),), generator=g).tolist()
                for n in torch.randint(4, cli.seq + 1, (cli.batch,), generator=g)]
-    sp = [SamplingParams(temperature=1.0, max_new_tokens=cli.new_tokens, ignore_eos=True, seed=i) for i in range(cli.batch)]
+    sp = [SamplingParams(temperature=1.0, max_new_tokens=cli.new_tokens, ignore_eos=True, seed=i)
+          for i in range(cli.batch)]
     ours.set_invariant(cli.invariant)
     print(f"trainer vs engine logprobs, {cli.model}, {cli.batch} prompts of 4-{cli.seq} tokens, {cli.new_tokens} "
           f"sampled tokens each (temperature 1), {cli.dtype}, kernels {cli.kernels}"
@@ -273,7 +275,8 @@ def bench_mismatch(ours, args, device, versions):
     d = torch.stack(diffs)  # [prompts, new tokens]
     print(f"  mean |Δ logprob| {d.mean():.2e}   p99 {d.flatten().quantile(0.99):.2e}   max {d.max():.2e}   "
           f"first token {d[:, 0].mean():.2e}   rest {d[:, 1:].mean():.2e}   "
-          f"(mean sampled logprob {sum(sum(r.output_logprobs) for r in reqs) / d.numel():.2f}); engine {t_engine:.1f} s")
+          f"(mean sampled logprob {sum(sum(r.output_logprobs) for r in reqs) / d.numel():.2f}); "
+          f"engine {t_engine:.1f} s")
 
 
 def broadcasts(rank, port, n, chunk, device, backend):

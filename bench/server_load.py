@@ -66,4 +66,5 @@ with tempfile.TemporaryDirectory() as d:
     tracebacks = log.read().count("Traceback")
 print(f"{a.n} requests in flight, {a.max_new} tokens each, max-batch {a.max_batch}: {dt:.1f} s, "
       f"{a.n / dt:.0f} requests/s, {whole * a.max_new / dt:.0f} tokens/s | whole samples {whole}/{a.n}, retried "
-      f"{retried}, failed {sum(s is None for s in samples)} | server descriptors peak {peak[0]} | tracebacks {tracebacks}")
+      f"{retried}, failed {sum(s is None for s in samples)} | server descriptors peak {peak[0]} | "
+      f"tracebacks {tracebacks}")
