@@ -23,12 +23,13 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
     again inside the backward) gives the same logits and gradients as the compiled step without it. Then the GRPO
     step's shapes: micro-batches of other sizes and lengths, padded as train_grpo pads them (a multiple of the
     window and the compress ratios), and the GRPO loss compile nothing after their first: the batch and length are
-    symbolic from the first call (compile_policy._dynamic_dims). Three layers, one of each kind (a kind compiles in
-    ~15 s on 2 CPU cores): CSA with a hash router, window and HCA with learned ones."""
+    symbolic from the first call (compile_policy._dynamic_dims). Two layers (a kind compiles in ~15 s on 2 CPU
+    cores): CSA with a hash router and HCA with a learned one; the window kind's compiled forward and backward: the
+    call-site test below."""
     import parallel
     from grpo import grpo_loss, make_microbatches
     from model_dsv4 import length_multiple
-    dev, args = "cuda" if CUDA else "cpu", replace(SMALL, num_hidden_layers=3, compress_ratios=[4, 0, 128, 0])
+    dev, args = "cuda" if CUDA else "cpu", replace(SMALL, num_hidden_layers=2, compress_ratios=[4, 128, 0])
     m32 = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,
                      args.num_experts_per_tok, seed=4).set_kernels(True).to(dev)
     bf = copy.deepcopy(m32).set_dtype(torch.bfloat16)
@@ -45,7 +46,7 @@ def test_compile_layers_train_as_accurate_as_eager(compile_layers):
     exact, eager = run(m32), run(bf)
     counters = compile_layers(bf)
     compiled = run(bf)
-    assert counters["stats"]["unique_graphs"] >= 3  # the layers ran compiled: one graph per kind of layer
+    assert counters["stats"]["unique_graphs"] >= 3  # the layers ran compiled: a graph per kind of layer, and the head
     for c, e, x in zip(compiled, eager, exact):
         err_c, err_e = ((t - x).norm() / x.norm() for t in (c, e))
         assert err_c <= 1.5 * err_e + 1e-4, (err_c, err_e)
