@@ -104,8 +104,8 @@ def start_servers(ckpt, n=1, quant="none", ports=None, device="cpu"):
     """n embedded fp32 servers of a checkpoint (subprocesses, started together) -> [[process, url]]."""
     procs = [subprocess.Popen([sys.executable, "server.py", "--model", ckpt, "--port", str(port),
                                "--dtype", "float32", "--device", device, "--max-len", "128", "--quant", quant],
-                              cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."), stdout=subprocess.PIPE,
-                              text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                              cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
              for port in ports or [0] * n]
     lines = [next((line for line in p.stdout if "ready at http://" in line), "") for p in procs]
     assert all(lines), "a server did not start (its stderr is above)"

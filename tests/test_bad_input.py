@@ -34,7 +34,8 @@ def srv():
 
 
 def good():
-    return {"input_ids": [1, 2, 3], "return_logprob": True, "sampling_params": {"max_new_tokens": 4, "temperature": 1.0}}
+    return {"input_ids": [1, 2, 3], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 1.0}}
 
 
 def junk(rng, depth=0):
@@ -64,7 +65,8 @@ def body(rng):
             elif where < 0.85:
                 b.pop(rng.choice(list(b)), None)
             else:
-                b[rng.choice(["rid", "return_logprob", "sampling_params", "stream", "logprob_start_len", "text"])] = junk(rng)
+                key = rng.choice(["rid", "return_logprob", "sampling_params", "stream", "logprob_start_len", "text"])
+                b[key] = junk(rng)
         return "POST", "/generate", b, "generate"
     if r < 0.65:  # any endpoint, a random body; /pause_generation only with a bad mode (a good one stops /generate)
         path = rng.choice([p for p in ENDPOINTS if p not in ("pause_generation", "init_weights_update_group")])
@@ -133,7 +135,8 @@ def test_fuzz_http_bodies_headers_and_methods(srv):
     assert all(s is not None and 400 <= s < 500 for s in got_l), got_l
     # afterwards: still healthy, still generating
     assert send(url, "GET", "/health", b"", key=None) == 200 and send(url, "POST", "/generate", good()) == 200
-    assert send(url, "POST", "/generate", good(), key=None) == 401 and send(url, "POST", "/generate", good(), key="x") == 401
+    assert send(url, "POST", "/generate", good(), key=None) == 401
+    assert send(url, "POST", "/generate", good(), key="x") == 401
 
 
 def test_oversized_bodies_are_refused(srv):
@@ -157,7 +160,8 @@ def test_beyond_localhost_weight_updates_need_the_key():
                          "/begin_weight_update", "/update_weights_from_tensor"]:  # refused before the body is parsed
                 assert send(url, "POST", path, {"new_version": "evil"}, key=None) == (403 if key is None else 401), path
             assert send(url, "POST", "/generate", good(), key=key) == 200 and send(url, "GET", "/health", b"") == 200
-            assert send(url, "POST", "/update_weight_version", {"new_version": "v"}, key=key) == (403 if key is None else 200)
+            status = send(url, "POST", "/update_weight_version", {"new_version": "v"}, key=key)
+            assert status == (403 if key is None else 200)
         finally:
             s.close()
 
@@ -183,7 +187,8 @@ def test_config_fuzz_is_a_usage_error_naming_the_key(monkeypatch):
 
 
 @pytest.mark.parametrize("args,expect", [(["--max_step=3"], "unknown config key 'max_step'.*did you mean max_steps"),
-                                         (["--weight_sync=tensr"], "weight_sync='tensr': choose one of disk, distributed, tensor"),
+                                         (["--weight_sync=tensr"],
+                                          "weight_sync='tensr': choose one of disk, distributed, tensor"),
                                          (["--n_microbatches=0"], "n_microbatches=0: must be positive"),
                                          (["--rollout_max_batch=-3"], "rollout_max_batch=-3: must be positive"),
                                          (["--max_steps=-1"], "max_steps=-1: must be at least 0")])

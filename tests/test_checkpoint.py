@@ -94,7 +94,8 @@ def test_official_quantized_layout_loads(tmp_path):
     # and the quantization really happened: FP4 experts are coarse, FP8 weights close
     w = model.state_dict()
     assert (loaded["layers.4.ffn.experts.3.w2.weight"] - w["layers.4.ffn.experts.3.w2.weight"]).abs().max() > 1e-3
-    torch.testing.assert_close(loaded["layers.2.attn.wq_b.weight"], w["layers.2.attn.wq_b.weight"], rtol=0.07, atol=1e-3)
+    name = "layers.2.attn.wq_b.weight"
+    torch.testing.assert_close(loaded[name], w[name], rtol=0.07, atol=1e-3)
 
 
 def test_save_load_round_trip_sharded(tmp_path):

@@ -130,7 +130,8 @@ def test_compiled_grpo_losses_equal_eager():
         torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-7)
-        assert m1.keys() == m0.keys() and all(torch.allclose(m1[k].float(), m0[k].float(), rtol=1e-5, atol=1e-5) for k in m0)
+        assert m1.keys() == m0.keys()
+        assert all(torch.allclose(m1[k].float(), m0[k].float(), rtol=1e-5, atol=1e-5) for k in m0)
     assert counters["stats"]["unique_graphs"] >= 2  # both ran compiled, whole (no graph break: explain() says none)
     torch._dynamo.reset()
 

@@ -135,8 +135,8 @@ def test_gumbel_noise_is_splitmix64_and_sampling_follows_the_distribution():
     seeds = torch.tensor([0, 1, 3, 2 ** 62 + 12345, 2 ** 63 - 1])
     counters = torch.tensor([0, 7, 1 << 20, 5, 999])
     u = torch.exp(-torch.exp(-gumbel(seeds, counters, 300)))
-    want = torch.tensor([[splitmix64_uniform(s, c, v) for v in range(300)] for s, c in zip(seeds.tolist(), counters.tolist())],
-                        dtype=torch.float64)
+    want = torch.tensor([[splitmix64_uniform(s, c, v) for v in range(300)]
+                         for s, c in zip(seeds.tolist(), counters.tolist())], dtype=torch.float64)
     assert (u - want).abs().max() < 1e-12
     # 6000 draws, one per seed, of a known distribution: temperature 1, temperature 0.5, and top-k 2
     engine = Engine(model_of(TINY), max_batch=8, max_len=64)
@@ -165,8 +165,8 @@ def test_overlapped_steps_drop_the_token_after_a_stop():
         prompts, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
     stops = [r.output_ids[2 + 3 * i] for i, r in enumerate(free)]  # each stops at a different step
     engine = Engine(model, max_batch=2, max_len=64)  # two slots for four requests
-    reqs = [engine.submit(p, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True,
-                                            stop_token_ids=[t]), str(i)) for i, (p, t) in enumerate(zip(prompts, stops))]
+    reqs = [engine.submit(p, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True, stop_token_ids=[t]),
+                          str(i)) for i, (p, t) in enumerate(zip(prompts, stops))]
     engine.step()  # prefill (first tokens applied at once), then the first decode, left in flight
     assert engine.inflight is not None and all(len(r.output_ids) == 1 for r in reqs[:2])
     while not all(r.done.is_set() for r in reqs):
@@ -209,13 +209,13 @@ def test_bf16_engine_close_to_bf16_forward():
 
 @pytest.mark.slow
 def test_decode_bench_counts_the_experts_a_step_reads():
-    """bench/bench.py --what=decode takes the floor's expert bytes from the experts the batch's tokens pick. Its model and
-    prompts, rebuilt here (tiny's trunk drawn by init_weights, torch.manual_seed(0), then the prompts), routed with
+    """bench/bench.py --what=decode takes the floor's expert bytes from the experts the batch's tokens pick. Its model
+    and prompts, rebuilt here (tiny's trunk drawn by init_weights, torch.manual_seed(0), then the prompts), routed with
     the gates' own expert ids: the distinct experts of each layer and the weight bytes they imply, exactly."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     B, T = 4, 8
-    run = subprocess.run([sys.executable, "bench/bench.py", "--what=decode", f"--batch={B}", f"--seq={T}", "--new_tokens=4",
-                          "--no_peer"], cwd=root, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "bench/bench.py", "--what=decode", f"--batch={B}", f"--seq={T}",
+                          "--new_tokens=4", "--no_peer"], cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     from model_dsv4 import ModelArgs
     args = ModelArgs.from_json(os.path.join(root, "config/models/tiny.json"))

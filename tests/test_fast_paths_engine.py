@@ -48,7 +48,8 @@ def test_engine_cuda_graphs_equal_eager_and_forward():
             ids = torch.tensor(r.input_ids + r.output_ids, device="cuda")[None]
             with torch.no_grad():
                 lp = (m(ids)[0, len(r.input_ids) - 1:-1] / 0.8).log_softmax(-1)
-            gaps.append((lp.gather(-1, ids[0, len(r.input_ids):, None])[:, 0].cpu() - torch.tensor(r.output_logprobs)).abs())
+            lp = lp.gather(-1, ids[0, len(r.input_ids):, None])[:, 0].cpu()
+            gaps.append((lp - torch.tensor(r.output_logprobs)).abs())
         return torch.cat(gaps).mean().item()
     ref_model = copy.deepcopy(model).set_kernels(False)
     ref_gap = mean_gap(ref_model, Engine(ref_model, max_batch=4, max_len=160).generate(prompts, params))

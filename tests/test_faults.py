@@ -112,7 +112,8 @@ def test_rollout_server_killed_then_restarted_and_resynced(reference, spread, tm
 
 @pytest.mark.slow
 def test_nan_loss_skips_the_step_then_stops_the_run(tmp_path):
-    code, log, _ = train(tmp_path, "nan_from@1", "--checkpoint_interval=1", "--max_steps=4", "--max_consecutive_skips=2")
+    code, log, _ = train(tmp_path, "nan_from@1", "--checkpoint_interval=1", "--max_steps=4",
+                         "--max_consecutive_skips=2")
     assert code == 1 and "2 steps in a row skipped (the last, step 2" in log, log[-3000:]
     assert "step 1: loss nan in micro-batch 1 of 2" in log
     recs = metrics(tmp_path)

@@ -8,7 +8,8 @@ from helpers.grpo_base import ARGS as BASE_ARGS, assert_policy_gradient, base_ch
 
 def test_advantages_and_dynamic_sampling():
     adv = group_advantages([1, 0, 0, 1])
-    torch.testing.assert_close(torch.tensor(adv), (torch.tensor([1., 0, 0, 1]) - 0.5) / (torch.tensor([1., 0, 0, 1]).std() + 1e-6))
+    rewards = torch.tensor([1., 0, 0, 1])
+    torch.testing.assert_close(torch.tensor(adv), (rewards - 0.5) / (rewards.std() + 1e-6))
     assert group_advantages([1, 1, 1]) == [0.0, 0.0, 0.0] and group_advantages([0.0]) == [0.0]
     assert keep_group([0, 1]) and not keep_group([1, 1, 1]) and not keep_group([0.0, 0.0])
 

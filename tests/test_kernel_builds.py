@@ -14,19 +14,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.slow
 def test_kernels_compile_for_h200_and_mi355x():
-    """Triton's interpreter runs code that its compiler refuses (an `if` whose branches give two shapes passes the
-    tests on the CPU and fails to compile for the GPU). So every kernel is also compiled here, without a GPU, to
-    machine code for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as the launchers call them: Sinkhorn on 4 x 4 matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width
-    (D 1536: a block of 2048, a token a program); decode attention at head dim 512 (one program a sequence, and
-    split; RoPE undone on the output; with the indexer's picks and without); the experts' two kernels, with the
-    shared expert and without; the compressor's step with and without overlap; the sampler's two kernels; hc_pre's
-    two at bench_2b's sizes (the mixes' tl.dot in each backend's precision, mhc_triton.hc_dot; the second with the
-    sublayer's norm and without); the router (hash and learned, 256 experts) and the pairs' ordering (with the
-    rows' copy and without); the query's norm and RoPE and the window key's write at head dim 512. In a subprocess per
-    backend: this process's kernels are interpreted."""
+    """Triton's interpreter runs code that its compiler refuses (an `if` whose branches give two shapes passes the tests
+    on the CPU and fails to compile for the GPU). So every kernel is also compiled here, without a GPU, to machine code
+    for the H200 (sm_90, a cubin) and the MI355X (gfx950, a hsaco), as the launchers call them: Sinkhorn on 4 x 4
+    matrices, 20 iterations; hc_post on bf16 streams of bench_2b's width (D 1536: a block of 2048, a token a program);
+    decode attention at head dim 512 (one program a sequence, and split; RoPE undone on the output; with the indexer's
+    picks and without); the experts' two kernels, with the shared expert and without; the compressor's step with and
+    without overlap; the sampler's two kernels; hc_pre's two at bench_2b's sizes (the mixes' tl.dot in each backend's
+    precision, mhc_triton.hc_dot; the second with the sublayer's norm and without); the router (hash and learned, 256
+    experts) and the pairs' ordering (with the rows' copy and without); the query's norm and RoPE and the window key's
+    write at head dim 512. In a subprocess per backend: this process's kernels are interpreted."""
     code = """
 import sys
-import dsv4_kernels.decode_attention as ka, dsv4_kernels.decode as kd, dsv4_kernels.route as kr, dsv4_kernels.mhc_triton as kt, triton
+import dsv4_kernels.decode_attention as ka, dsv4_kernels.decode as kd, dsv4_kernels.route as kr
+import dsv4_kernels.mhc_triton as kt, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 # (kernel, constexprs, scalar arguments, bf16 pointers (the others fp32), warps)

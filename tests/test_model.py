@@ -41,7 +41,8 @@ def test_parity_ours_to_transformers(args, T, tmp_path):
 def test_parity_transformers_to_ours(args, T, tmp_path):
     """The reverse: a random transformers model, saved by transformers, loads into ours with equal logits."""
     cfg = transformers.DeepseekV4Config(**args.to_json())
-    ref = randomize_(transformers.DeepseekV4ForCausalLM(cfg).float(), args.n_routed_experts, args.num_experts_per_tok, 3)
+    ref = randomize_(transformers.DeepseekV4ForCausalLM(cfg).float(), args.n_routed_experts, args.num_experts_per_tok,
+                     3)
     ref.save_pretrained(tmp_path)
     model = from_pretrained(tmp_path, dtype=torch.float32)  # transformers writes no mtp.*: loads without MTP
     assert len(model.mtp) == 0

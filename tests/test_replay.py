@@ -64,9 +64,10 @@ def test_server_returns_sglangs_fields_equal_to_the_trainers_picks(model):
     plain = server.start(model, port=0, dtype=torch.float32, device="cpu", max_batch=8, max_len=128)
     try:
         prompts, start = [[7, 3, 9, 4, 5, 6, 11, 2, 8], list(range(40, 70))], 3
-        status, outs = post(srv.url, {"input_ids": prompts, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True,
-                            "sampling_seed": 5}, "return_routed_experts": True, "routed_experts_start_len": start,
-                            "return_indexer_topk": True, "return_logprob": True})
+        sampling = {"max_new_tokens": 40, "ignore_eos": True, "sampling_seed": 5}
+        status, outs = post(srv.url, {"input_ids": prompts, "sampling_params": sampling, "return_routed_experts": True,
+                                      "routed_experts_start_len": start, "return_indexer_topk": True,
+                                      "return_logprob": True})
         assert status == 200, outs
         L, K, C, k = SMALL.num_hidden_layers, SMALL.num_experts_per_tok, len(replay.csa_layers(SMALL)), SMALL.index_topk
         for p, out in zip(prompts, outs):
@@ -78,11 +79,13 @@ def test_server_returns_sglangs_fields_equal_to_the_trainers_picks(model):
             own_e, own_x = own_picks(model, ids)
             assert torch.equal(experts, own_e[start:n].int()) and torch.equal(index, own_x[:n])
             assert torch.equal(experts[:, 0], model.layers["0"].ffn.gate.tid2eid[torch.tensor(ids[start:n])].int())
-            assert (index[:3] == -1).all() and (index[3, :, 0] == 0).all() and (index[-1] >= 0).all()  # 0, 1, >k visible
+            # 0 entries visible, 1, more than k
+            assert (index[:3] == -1).all() and (index[3, :, 0] == 0).all() and (index[-1] >= 0).all()
             first_k = torch.arange(k).expand_as(index[-1])
             assert not torch.equal(index[-1], first_k), "the indexer's picks are the first k entries: a trivial case"
             parsed = parse_sample(srv.url, out, {"return_indexer_topk": True})
-            assert parsed["indexer_topk"].shape == (n, C * k) and torch.equal(parsed["indexer_topk"].view(n, C, k), index)
+            assert parsed["indexer_topk"].shape == (n, C * k)
+            assert torch.equal(parsed["indexer_topk"].view(n, C, k), index)
         bad = [({"return_routed_experts": "yes"}, srv, "return_routed_experts must be true or false"),
                ({"return_routed_experts": True, "routed_experts_start_len": -1}, srv, "routed_experts_start_len"),
                ({"return_routed_experts": True, "routed_experts_start_len": 10}, srv, "prompt tokens = 9"),
@@ -184,7 +187,8 @@ def test_microbatches_carry_the_ids_aligned_and_a_stage_its_layers(model):
     e, x = mb["routed_experts"], mb["indexer_topk"]
     T = len(ids)
     assert e.shape == (2, T, 2, 2) and x.shape == (2, T, 1, 4) and e.dtype == torch.int32
-    assert torch.equal(e[0, :T - 1], rec["routed_experts"][:, 2:]) and torch.equal(x[0, :T - 1], rec["indexer_topk"][:, 1:])
+    assert torch.equal(e[0, :T - 1], rec["routed_experts"][:, 2:])
+    assert torch.equal(x[0, :T - 1], rec["indexer_topk"][:, 1:])
     assert (e[0, T - 1] == -1).all() and (e[1, P:] == -1).all() and torch.equal(e[1, :P], rec["routed_experts"][:P, 2:])
     assert mb["input_ids"][0, :T].tolist() == ids and mb["mask"][0, P - 1] and mb["tgt"][0, P - 1] == ids[P]
     for bad, message in [({"routed_experts": s["routed_experts"][:-1]}, "is it serving this model"),

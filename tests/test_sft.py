@@ -18,7 +18,8 @@ QUICK = ["--batch_size=8", "--n_microbatches=2", "--warmup_steps=0", "--log_inte
 def run(out, *args, nproc=1):
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1
            else [sys.executable]) + [os.path.join(ROOT, "train_sft.py"), f"--out_dir={out}", *QUICK, *args]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
@@ -61,14 +62,15 @@ def test_sft_pp2_ep2_equals_one_rank(tmp_path):
     on the same examples as one process, so every step's loss and the weights after 3 steps agree to fp32 rounding. The
     one process runs 4 micro-batches, the same ones as the 2 DP ranks' 2 each, so that the comparison is of the layout
     alone. AdamW moves an entry whose gradient is near zero by up to lr whatever its rounding (it divides by the
-    gradient's size), so the steps are small (lr 5e-4: ~3e-6 here); a batch drawn per rank, a loss normalised per rank or
-    a missing gradient reduce moves weights by ~lr, and the losses apart at once."""
+    gradient's size), so the steps are small (lr 5e-4: ~3e-6 here); a batch drawn per rank, a loss normalised per rank
+    or a missing gradient reduce moves weights by ~lr, and the losses apart at once."""
     args = ["--max_steps=3", "--n_test=0", "--lr=5e-4"]
     one = run(tmp_path / "one", *args, "--n_microbatches=4")
     four = run(tmp_path / "four", *args, "--pp_size=2", "--ep_size=2", nproc=4)
     for a, b in zip(one, four, strict=True):
         assert a["tokens"] == b["tokens"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     assert one[-1]["loss"] < one[0]["loss"]
     w1, w4 = weights(tmp_path / "one"), weights(tmp_path / "four")
     assert set(w1) == set(w4) and any(".experts." in k for k in w1)
@@ -86,8 +88,8 @@ BAD_INPUT = [("--init_from={tmp}", "is not a checkpoint directory"),
 @pytest.mark.parametrize("bad,says", BAD_INPUT)
 def test_bad_input_is_a_usage_error(tmp_path, bad, says):
     """Exit 2 with a message that names the problem, before any model is built: an init_from without a checkpoint, a
-    tokenizer larger than the model's vocabulary, a held-out set the task config cannot fill, a teacher error that is not
-    a share below 1."""
+    tokenizer larger than the model's vocabulary, a held-out set the task config cannot fill, a teacher error that is
+    not a share below 1."""
     small = json.load(open(os.path.join(ROOT, "config", "models", "micro.json")))
     small["vocab_size"] = 200
     json.dump(small, open(tmp_path / "small.json", "w"))

@@ -69,7 +69,8 @@ def test_worked_solutions_are_right_and_graded_one(knobs):
             assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op] + int(carry or 0) == int(c), p
         for a, op, b, cols, c in re.findall(r"(\d+)([-+*])(\d+): ([^.]*), so (\d+)\.", p["solution"]):
             digits = [int(col.split("=")[1]) for col in cols.split(", ")]  # units first; the last column in full
-            assert eval(f"{a}{op}{b}") == int(c) == int(str(digits[-1]) + "".join(str(d % 10) for d in digits[-2::-1])), p
+            written = int(str(digits[-1]) + "".join(str(d % 10) for d in digits[-2::-1]))  # the columns, read back
+            assert eval(f"{a}{op}{b}") == int(c) == written, p
         expr = p["prompt"][:-2] if p["prompt"].endswith("=?") else p["solution"].split("=?")[0]
         assert eval(expr) == int(p["answer"]) >= 0, p  # worded: the solution's first line is the arithmetic prompt
 
@@ -145,7 +146,8 @@ def test_knobs_change_the_problems():
     ops_of = lambda p: re.findall(r"(?<=\d)[-+*]", p["key"])
     for steps in (1, 2, 4):
         assert all(len(ops_of(math_problem(rng, steps=steps))) == steps for _ in range(50))
-    operands = lambda d: [int(x) for _ in range(200) for x in re.findall(r"\d+", math_problem(rng, digits=d, ops="+")["key"])]
+    def operands(d):
+        return [int(x) for _ in range(200) for x in re.findall(r"\d+", math_problem(rng, digits=d, ops="+")["key"])]
     assert max(operands(1)) == 9 and 10 <= min(max(operands(2)), 99) and max(operands(3)) >= 100
     assert all(set(ops_of(math_problem(rng, steps=3, ops="*"))) == {"*"} for _ in range(20))
     worded, plain = math_problem(rng, words=1.0), math_problem(rng, words=0.0)

@@ -194,9 +194,9 @@ def test_server_killed_mid_sync(servers, ckpt, tmp_path, monkeypatch):
 def test_train_grpo_syncs_into_fp8_server(mode, tmp_path):
     """The trainer's path: an fp8 embedded server, a verified sync after each step (2 steps)."""
     cmd = [sys.executable, "train_grpo.py", f"--out_dir={tmp_path}", *"--max_steps=2 --n_prompts=2 --n_samples=2 "
-           "--max_new_tokens=4 --init_from=scratch --model_config=config/models/tiny.json --data=toy --eval_interval=0 --checkpoint_interval=0 --dynamic_sampling"
-           f"=False --weight_sync={mode} --rollout_quant=fp8 --weight_sync_verify=True --weight_sync_bucket_mb=1"
-           .split()]
+           "--max_new_tokens=4 --init_from=scratch --model_config=config/models/tiny.json --data=toy --eval_interval=0 "
+           f"--checkpoint_interval=0 --dynamic_sampling=False --weight_sync={mode} --rollout_quant=fp8 "
+           "--weight_sync_verify=True --weight_sync_bucket_mb=1".split()]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0 and "weight sync, attempt" not in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]

@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 #   embeddings and head at lr 3e-3, undoes the format, and the next steps have no reward spread;
 #   no TIS: the loss does not read the engine's logprobs, which move in the 7th digit with the order in which the
 #   server batches requests (a resumed or restarted run batches them otherwise), so those runs train bit for bit alike.
-ARGS = ["--data=toy", "--eval_data=toy", "--max_new_tokens=10", "--overlong_buffer=0", "--entropy_coef=0", "--trainable=io", "--lr=3e-4", "--tis_cap=0"]
+ARGS = ["--data=toy", "--eval_data=toy", "--max_new_tokens=10", "--overlong_buffer=0", "--entropy_coef=0",
+        "--trainable=io", "--lr=3e-4", "--tis_cap=0"]
 
 
 def make_base(path, steps=40, seed=0):

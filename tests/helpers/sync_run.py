@@ -21,8 +21,8 @@ if __name__ == "__main__":
     client = RolloutClient(urls)
     sent = {}
     for mode in ("disk", "tensor", "distributed"):  # distributed last: its weights are the ones the test reads
-        stats = wsync.sync(model, grid, client, model.args, os.path.join(out, "weights"), mode=mode, version=f"{mode}-7",
-                           bucket_mb=0.25, verify=True, timeout=60)
+        stats = wsync.sync(model, grid, client, model.args, os.path.join(out, "weights"), mode=mode,
+                           version=f"{mode}-7", bucket_mb=0.25, verify=True, timeout=60)
         sent[mode] = stats["names"]
         assert stats["max_bucket_bytes"] <= 1 << 18, stats["max_bucket_bytes"]
     json.dump(sent, open(os.path.join(out, f"sent.rank{grid.rank}.json"), "w"))
