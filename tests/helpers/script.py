@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def run_script(script, *argv, cwd=ROOT):
     out, err = io.StringIO(), io.StringIO()
-    argv0, cwd, code = sys.argv, os.getcwd(), 0
+    argv0, here, code = sys.argv, os.getcwd(), 0
     sys.argv = [os.path.join(ROOT, script), *argv]
     try:
         os.chdir(cwd)
@@ -28,5 +28,5 @@ def run_script(script, *argv, cwd=ROOT):
         code = code or 0
     finally:
         sys.argv = argv0
-        os.chdir(cwd)
+        os.chdir(here)
     return code, out.getvalue(), err.getvalue()
