@@ -143,14 +143,15 @@ def trainer_logprobs(model, prompt, out_ids, temperature, grid=None, rec=None, s
     token routing itself); stats: Transformer.replay_kwargs' (one process)."""
     ids = torch.tensor(prompt + out_ids, device=next(model.parameters()).device)[None]
     rep = {f: torch.cat([t, torch.full_like(t[:1], -1)])[None].to(ids.device) for f, t in (rec or {}).items()}
-    score = lambda logits, mb=None: ((logits[0, len(prompt) - 1:ids.shape[1] - 1].float() / max(temperature, 1e-6))
-                                     .log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0])
+    T = max(temperature, 1e-6)
     with model.numerics():  # the log-softmax too, as the engine's sampling does it
         if grid is None:
-            return score(model(ids, replay=rep, stats=stats))
+            logits = model(ids, replay=rep, stats=stats)[0, len(prompt) - 1:ids.shape[1] - 1].float()
+            return (logits / T).log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
         cols = replay.columns(model.args, model.layers, rep)  # this stage's layers of each field
-        mb = {"input_ids": ids, **{f: t[:, :, cols[f][0]] for f, t in rep.items()}}
-        out = parallel.forward_only(model, grid, [mb], score)
+        mb = {"input_ids": ids, "tgt": ids.roll(-1, 1), **{f: t[:, :, cols[f][0]] for f, t in rep.items()}}
+        model.temperature = T  # the trainer's head_loss: its chunked head at the sampling temperature
+        out = parallel.forward_only(model, grid, [mb], lambda logp, entropy, mb: logp[0, len(prompt) - 1:-1])
     return out[0] if out else None
 
 

@@ -4,7 +4,6 @@ the dynamic-sampling filter, micro-batch construction with the loss weights, and
 rollout and training metrics, summed over the DP ranks.
 RESEARCH: this is the file to fork for another policy-gradient variant.
 """
-import contextlib
 import math
 
 import torch
@@ -126,42 +125,17 @@ def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", dev
     return out
 
 
-class _TargetLogprob(torch.autograd.Function):
-    """log_softmax(z)[t] of fp32 logits z [..., V] and targets t [...] -> [...], with the backward written out: the
-    gradient over the vocabulary is g * ([j = t] - softmax(z)_j), one pass over the logits with each row's
-    log-sum-exp kept from the forward. Autograd's own backward (gather's, a zero-filled [..., V] with g scattered
-    in, then log_softmax's, a row sum and a pass) reads and writes the [tokens, vocab] tensors three times; compiled,
-    this one is a single kernel, eager three in-place passes over one tensor. The forward is plain log_softmax and
-    gather, so the values round as the engine's do (bit-equal under set_invariant); the log-sum-exp comes back from
-    them as z[t] - logprob."""
-    @staticmethod
-    def forward(ctx, logits, tgt):
-        z_t = logits.gather(-1, tgt[..., None])
-        lp = logits.log_softmax(-1).gather(-1, tgt[..., None])
-        ctx.save_for_backward(logits, tgt, z_t - lp)
-        return lp[..., 0]
-
-    @staticmethod
-    def backward(ctx, g):
-        logits, tgt, lse = ctx.saved_tensors
-        if torch.compiler.is_compiling():  # pointwise, the same sums: fuses with what reads it (head_loss's cast)
-            hit = torch.arange(logits.shape[-1], device=logits.device) == tgt[..., None]
-            return (logits - lse).exp() * -g[..., None] + torch.where(hit, g[..., None], 0.0), None
-        grad = (logits - lse).exp_().mul_(-g[..., None])  # in place: eager makes one [..., V] tensor, not five
-        return grad.scatter_add_(-1, tgt[..., None], g[..., None]), None
+def token_logprobs(logp, entropy, mb):
+    """What the no-grad passes keep (parallel.forward_only: the old policy's, a reference's): each token's logprob."""
+    return logp
 
 
-def token_logprobs(logits, mb):
-    """fp32 logits [B, T, V] -> the logprob of each next token [B, T]."""
-    return _TargetLogprob.apply(logits, mb["tgt"])
-
-
-def grpo_loss(logits, mb, eps_low=0.2, eps_high=0.28, tis_cap=2.0, kl_coef=0.0, entropy_coef=0.0):
+def grpo_loss(logp, entropy, mb, eps_low=0.2, eps_high=0.28, tis_cap=2.0, kl_coef=0.0, entropy_coef=0.0):
     """The clipped policy-gradient token loss with truncated importance sampling, an optional k3 KL to a
-    reference (mb["ref_lp"]) and an entropy bonus; returns (this micro-batch's share of the loss, metric sums).
+    reference (mb["ref_lp"]) and an entropy bonus, from each position's logprob of its target and entropy [B, T]
+    (Transformer.head_loss); returns (this micro-batch's share of the loss, metric sums).
     pi_old is mb["old_lp"] when given (several optimizer steps per rollout), else the current policy itself,
     detached: then the ratio is exactly 1 and the step strictly on-policy."""
-    logp = token_logprobs(logits, mb)
     m = mb["mask"]
     old = mb["old_lp"] if "old_lp" in mb else logp.detach()
     ratio = torch.exp((logp - old).clamp(-20, 20))
@@ -170,11 +144,8 @@ def grpo_loss(logits, mb, eps_low=0.2, eps_high=0.28, tis_cap=2.0, kl_coef=0.0, 
     # TIS: the samples came from the engine's pi_rollout, not pi_old; reweight, capped, without gradient
     tis = (old - mb["rollout_lp"]).exp().clamp(max=tis_cap) if tis_cap > 0 else torch.ones_like(old)
     tok_loss = tok_loss * tis.detach()
-    with contextlib.nullcontext() if entropy_coef else torch.no_grad():  # without the bonus, a metric only
-        logp_all = logits.log_softmax(-1)
-        neg_entropy = (logp_all.exp() * logp_all).sum(-1)
-    if entropy_coef:
-        tok_loss = tok_loss + entropy_coef * neg_entropy
+    if entropy_coef:  # without the bonus the entropy is a metric only, and its backward pass is skipped
+        tok_loss = tok_loss - entropy_coef * entropy
     if kl_coef:
         d = mb["ref_lp"] - logp
         tok_loss = tok_loss + kl_coef * (d.exp() - d - 1)
@@ -182,7 +153,7 @@ def grpo_loss(logits, mb, eps_low=0.2, eps_high=0.28, tis_cap=2.0, kl_coef=0.0, 
     with torch.no_grad():
         diff = (old - mb["rollout_lp"]).abs() * m
         return loss, {"n_tok": m.sum(), "clip": ((pg2 > pg1) & m).sum(), "kl": ((old - logp) * m).sum(),
-                      "entropy": (-neg_entropy * m).sum(), "lp_diff": diff.sum(), "lp_diff_max": diff.max(),
+                      "entropy": (entropy * m).sum(), "lp_diff": diff.sum(), "lp_diff_max": diff.max(),
                       "lp_diff_first": (diff * mb["first"]).sum(), "n_first": mb["first"].sum(), "tis": (tis * m).sum(),
                       "ratio_dev": ((ratio - 1).abs() * m).sum()}
 
@@ -220,7 +191,8 @@ def step_line(rec, max_steps):
             f"len {g('response_len_mean', '.1f')} | kept {g('kept_group_ratio', '.2f')} | loss {g('loss', '+.4f')} | "
             f"clip {g('pg_clipfrac', '.3f')} | kl {g('approx_kl', '+.1e')} | ent {g('entropy', '.2f')} | |dlp| "
             f"{g('logprob_abs_diff', '.1e')} | gnorm {g('grad_norm', '.2f')} | t_roll {g('t_rollout', '.1f')}s t_train "
-            f"{g('t_train', '.1f')}s t_sync {g('t_sync', '.1f')}s | {g('elapsed_s', '.0f')}s"
+            f"{g('t_train', '.1f')}s t_sync {g('t_sync', '.1f')}s | mem {g('trainer_mem_gb', '.1f')}"
+            + (f"+{g('server_mem_gb', '.1f')}" if 'server_mem_gb' in rec else '') + f"GB | {g('elapsed_s', '.0f')}s"
             + (f" | {rec['rollout_retries']} requests retried" if rec.get('rollout_retries') else '')
             + (f" | rollout failed once: {rec['rollout_error'][:200]}" if 'rollout_error' in rec else '')
             + (f" | skipped: {rec['skipped']}" if 'skipped' in rec else ''))

@@ -1,29 +1,51 @@
 """
 Memory plan of a parallel layout, computed on the meta device from the real config: per pipeline stage, the
-bytes of weights, gradients, optimizer state (on the GPU or offloaded) and an activation estimate. No hardware.
+bytes of weights, gradients, optimizer state (on the GPU or offloaded), an activation estimate and the loss's peak on
+the longest micro-batch. No hardware.
 
-    python train_grpo.py config/mi355x.py --dry_run=True     # the config's layout on WORLD_SIZE (else 32) GPUs
-    DRY_RUN_WORLD=64 python train_grpo.py config/mi355x.py --dry_run=True     # on another number of GPUs
+    python train_grpo.py config/mi355x.py --dry_run=True     # the config's layout on dry_run_world (32) GPUs
+    python train_grpo.py config/mi355x.py --dry_run=True --dry_run_world=64      # on another number of GPUs
+    python train_grpo.py config/h200.py --dry_run=True       # one GPU: does a length fit before launch?
 """
+import resource
+
 import torch
 
 from model_dsv4 import Transformer
 from parallel import stage_layers
 
 
-def plan_table(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n_microbatches, gpu_gb=288,
-               pp_layers=None):
-    """The memory plan as a markdown table, with a line saying what it assumes: per stage, the bytes of one rank's
+def loss_peak(args, tokens, chunk, act_bytes=2, entropy_grad=False):
+    """Bytes the last stage's head and loss (Transformer.head_loss, chunked_head.py) hold at their peak for a
+    micro-batch of `tokens`, besides the weights: the head's input kept for the backward and its gradient
+    [tokens, D]; then the most of: a chunk's fp32 logits with their log-softmax (8 bytes a logit; 10 in the backward
+    with an entropy bonus, whose gradient needs one more) beside the head weight's gradient, summed in fp32 (4 bytes a
+    weight); or that sum rounded to the weight's dtype at the end (6 bytes a weight). Per-token vectors: ~100 bytes
+    a token."""
+    c, V, D = min(chunk, tokens), args.vocab_size, args.hidden_size
+    logits = (10 if entropy_grad else 8) * c * V + 4 * V * D
+    return 2 * act_bytes * tokens * D + 100 * tokens + max(logits, (4 + act_bytes) * V * D)
+
+
+def plan_table(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n_microbatches, pp_layers=None,
+               loss_chunk=1024, entropy_grad=False):
+    """The memory plan as a markdown table, with lines saying what it assumes: per stage, the bytes of one rank's
     weights (bf16, fp32 where the reference keeps fp32), grads (same dtype), optimizer (fp32 master + two moments =
-    12 B/param; in host memory with offload) and an activation estimate for 1F1B with this micro-batch."""
+    12 B/param; in host memory with offload), an activation estimate for 1F1B with this micro-batch, and on the last
+    stage the loss's peak for it (loss_peak)."""
     with torch.device("meta"):
         full = Transformer(args, dtype=torch.bfloat16)
     GB = 1e9
-    lines = [f"Memory plan, computed on the meta device (not run): {world} GPUs of {gpu_gb:.0f} GB, pp {pp_size} x "
-             f"dp {world // pp_size}, ep {ep_size}, micro-batch {micro_batch} x {seq_len} tokens, {n_microbatches} "
-             f"micro-batches, recompute {recompute}.", "",
-             "| stage | layers | params per rank | weights GB | grads GB | fp32 master + Adam GB | activations GB "
-             "| GPU total GB | GPU total GB, optimizer offloaded |", "|---|---|---|---|---|---|---|---|---|"]
+    tokens = micro_batch * seq_len
+    loss = loss_peak(args, tokens, loss_chunk, entropy_grad=entropy_grad) / GB
+    whole = 4 * tokens * args.vocab_size / GB
+    lines = [f"Memory plan, computed on the meta device (not run): {world} GPUs, pp {pp_size} x dp {world // pp_size}, "
+             f"ep {ep_size}, the longest micro-batch {micro_batch} x {seq_len} tokens, {n_microbatches} micro-batches, "
+             f"recompute {recompute}.",
+             f"The loss (last stage) on that micro-batch: {loss:.2f} GB at its peak, its logits {loss_chunk} tokens at "
+             f"a time (loss_chunk); all {tokens} tokens' fp32 logits at once would be {whole:.1f} GB.",
+             "", "| stage | layers | params per rank | weights GB | grads GB | fp32 master + Adam GB | activations GB "
+             "| loss GB | GPU total GB | GPU total GB, optimizer offloaded |", "|---" * 10 + "|"]
     for pp_rank, layers in enumerate(stage_layers(args.num_hidden_layers, pp_size, pp_layers)):
         first, last = pp_rank == 0, pp_rank == pp_size - 1
         n_param = w_bytes = 0
@@ -35,7 +57,6 @@ def plan_table(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n
             share = 1 / ep_size if ".experts." in name else 1  # routed experts are sharded over EP
             n_param += p.numel() * share
             w_bytes += p.numel() * p.element_size() * share
-        tokens = micro_batch * seq_len
         inflight = min(pp_size - pp_rank, n_microbatches)  # 1F1B keeps at most pp - rank micro-batches alive
         stream = tokens * args.hc_mult * args.hidden_size * 2  # one layer input [B, T, n, D] in bf16
         # one layer's working set while it (re)computes: fp32 attention probabilities over the window and a
@@ -44,7 +65,21 @@ def plan_table(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n
             + tokens * args.num_experts_per_tok * args.moe_intermediate_size * 4 * 3
         act = (inflight * len(layers) * (stream if recompute else 12 * stream) + work) / GB  # 12: rough, no recompute
         weights, optim = w_bytes / GB, 12 * n_param / GB  # the grads take as many bytes as the weights
+        tail = loss if last else 0.0
         lines.append(f"| {pp_rank} | {layers[0]}-{layers[-1]} | {n_param / 1e9:.2f}B | {weights:.1f} | {weights:.1f} "
-                     f"| {optim:.1f} | {act:.1f} | {2 * weights + act + optim:.1f} | {2 * weights + act:.1f} |")
+                     f"| {optim:.1f} | {act:.1f} | {tail:.1f} | {2 * weights + act + tail + optim:.1f} "
+                     f"| {2 * weights + act + tail:.1f} |")
     return "\n".join(lines)
 
+
+
+def peak_gb(device, reset=False):
+    """What this process held at most, in GB, (tensors, from the device): on a GPU the caching allocator's peaks since
+    the last reset (reset=True starts the next); on the CPU the process's peak resident size since it started, both."""
+    if device.type == "cuda":
+        out = torch.cuda.max_memory_allocated(device) / 1e9, torch.cuda.max_memory_reserved(device) / 1e9
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return out
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux counts KiB
+    return rss, rss

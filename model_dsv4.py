@@ -24,6 +24,7 @@ from functools import cached_property, lru_cache
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from chunked_head import token_stats
 from dsv4_kernels import has_triton
 from dsv4_kernels.decode import q_norm_rope_triton
 from dsv4_kernels.fast import fuse_projections, linear_f32, matmul_f32, stack_experts, use_gemm_f32, window_attention
@@ -604,6 +605,8 @@ class Transformer(nn.Module):
     invariant = False  # path-invariant numerics: set_invariant
     fast = False  # the head's mHC mixes on tensor cores, as the blocks' (set_kernels)
     fast_sampling = False  # the engine samples in Triton (set_kernels: 'sampling')
+    loss_chunk = 1024  # head_loss: tokens whose logits exist at once (V4's 129k vocabulary: 0.53 GB of fp32 logits)
+    temperature = 1.0  # head_loss: logprobs of softmax(logits / temperature), the rollouts' sampling temperature
 
     def __init__(self, args: ModelArgs, dtype=torch.bfloat16, ep_group=None):
         super().__init__()
@@ -705,16 +708,22 @@ class Transformer(nn.Module):
         h = self.embed(input_ids)
         return h.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
 
+    def head_input(self, x):
+        # [B, T, n, D] -> [B, T, D]: the streams collapsed, then the final norm
+        return self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.args, self.fast))
+
     def logits(self, x):
-        # [B, T, n, D] -> fp32 [B, T, vocab]; the final norm comes after the stream collapse
-        h = self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.args, self.fast))
-        return linear_f32(h, self.head.weight)
+        # [B, T, n, D] -> fp32 [B, T, vocab]
+        return linear_f32(self.head_input(x), self.head.weight)
 
     def head_loss(self, x, mb, fn):
-        """The last pipeline stage's tail fn(fp32 logits of the streams x, mb) as one function: compiled as one graph
-        (compile_policy.compile_model), the loss's backward hands the head's GEMMs the logits' gradient in bf16, with
-        no fp32 copy and cast."""
-        return fn(self.logits(x), mb)
+        """The last pipeline stage's tail: fn(logprob of each target mb["tgt"], entropy, mb), both fp32 [B, T], of
+        softmax(logits / self.temperature), from the streams x. The head's logits exist loss_chunk tokens at a time
+        (chunked_head.py), so the loss's memory does not grow with the micro-batch's length; compiled as one graph
+        (compile_policy.compile_model)."""
+        logp, entropy = token_stats(self.head_input(x), self.head.weight, mb["tgt"], self.loss_chunk,
+                                    self.temperature)
+        return fn(logp, entropy, mb)
 
     def replay_kwargs(self, replay, stats=None):
         """Block.forward's replayed picks, a dict for each of this model's (or pipeline stage's) layers in order, from

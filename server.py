@@ -35,6 +35,7 @@ import replay
 from engine import Engine, SamplingParams
 from kernel_check import choose as choose_kernels
 from checkpoint import from_pretrained
+from memory_plan import peak_gb
 from quant import quant_format, quantize_tensor, scale_name
 from server_weights import BadRequest, Weights, check, is_int, read_raw
 
@@ -64,10 +65,11 @@ ENDPOINTS = {"generate": ("POST", "PUT"), "health": GET, "health_generate": GET,
              "abort_request": POST, "begin_weight_update": POST, "end_weight_update": POST,
              "update_weights_from_disk": POST, "init_weights_update_group": POST,
              "update_weights_from_distributed": POST, "destroy_weights_update_group": POST,
-             "update_weights_from_tensor": POST, "get_weights_by_name": ("GET", "POST"), "update_weight_version": POST}
+             "update_weights_from_tensor": POST, "get_weights_by_name": ("GET", "POST"), "update_weight_version": POST,
+             "server_info": GET}
 # every endpoint but these changes the served weights or stops generation: a server that listens beyond localhost
 # answers them only with --api-key set (403 otherwise), so nobody on the network can swap the model
-UNGUARDED = {"generate", "health", "health_generate", "model_info", "get_weights_by_name"}
+UNGUARDED = {"generate", "health", "health_generate", "model_info", "get_weights_by_name", "server_info"}
 GUARDED = {f"/{name}" for name in ENDPOINTS if name not in UNGUARDED}
 
 
@@ -243,6 +245,12 @@ class Server:
         return {"model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": None,
                 "is_generation": True, "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
                 "load_format": "auto", "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]}
+
+    def server_info(self, body, handler):
+        """SGLang's /server_info, as far as the embedded server has it: one rank (tp_size), and in internal_states its
+        process's peak memory in GB (memory_plan.peak_gb: tensors, and what it holds from the device), since start."""
+        tensors, held = peak_gb(self.engine.device)
+        return {"tp_size": 1, "version": "nano-dsv4-rl", "internal_states": [{"peak_memory_gb": [tensors, held]}]}
 
     def flush_cache(self, body, handler):
         check(self.engine.flush(), "Cache not flushed: requests are running or queued")

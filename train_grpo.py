@@ -42,7 +42,7 @@ import faults
 import compile_policy
 import parallel
 import replay
-from memory_plan import plan_table
+from memory_plan import peak_gb, plan_table
 import weight_sync as wsync
 from eval_aime import evaluate, load_problems, math_reward, overlong_penalty, summary
 import grpo
@@ -58,7 +58,8 @@ from tasks import load_tokenizer, math_problems, prompt_ids, toy_problems
 out_dir = 'out/default'
 seed = 1337
 max_steps = 30
-dry_run = False  # build the layout on the meta device, print the per-rank memory plan, exit
+dry_run = False  # build the layout on the meta device, print the per-rank memory plan and the loss's peak, exit
+dry_run_world = 32  # the GPUs the dry run plans for (under torchrun: WORLD_SIZE)
 # model
 init_from = ''  # '': the SFT base in out_dir/base (train_sft.py sft_config makes it) | 'scratch' | a checkpoint dir
 sft_config = 'config/sft_micro.py'  # init_from='': the base's recipe, for train_sft.py
@@ -77,6 +78,7 @@ ep_size = 1  # expert-parallel ranks, carved out of data parallel
 pp_layers = ''  # e.g. '11,11,11,10'; '' = balanced
 n_microbatches = 1  # per DP rank; the default trains its batch at once (fewer, bigger ops); PP wants several
 recompute = False  # recompute each layer's activations in backward instead of keeping them
+loss_chunk = 1024  # tokens whose head logits exist at once in the loss (chunked_head.py): its memory, any length
 optimizer_offload = False  # AdamW's fp32 master weights and moments in host memory
 pack_samples = True  # several samples a row, kept apart (grpo.pack_rows): fewer padded tokens than a sample a row
 dist_timeout = 600  # seconds before a stuck collective fails (every process group; weight-sync calls too)
@@ -171,6 +173,7 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
         'rollout_compile': ('off', 'layers'),
     }
     positive = ['n_prompts', 'n_samples', 'max_prompt_len', 'max_new_tokens', 'n_microbatches', 'n_minibatches',
+                'loss_chunk', 'dry_run_world',
                 'rollout_max_batch', 'pp_size', 'ep_size', 'eval_n_samples', 'max_sampling_rounds', 'n_rl', 'n_test',
                 'weight_sync_bucket_mb']  # a zero batch divides by zero, a zero-row server never schedules
     at_least_0 = ['max_steps', 'warmup_steps', 'eval_interval', 'checkpoint_interval', 'eval_limit', 'watchdog_s',
@@ -243,11 +246,12 @@ except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 split = [int(x) for x in pp_layers.split(',')] if pp_layers else None
-if dry_run:  # the layout of the whole job on the meta device, no hardware: WORLD_SIZE or 32 GPUs
-    world = int(os.environ.get('DRY_RUN_WORLD', os.environ.get('WORLD_SIZE', 32)))
-    micro = max(1, n_prompts * n_samples // (world // pp_size) // n_microbatches)
+if dry_run:  # the layout of the whole job on the meta device, no hardware
+    world = int(os.environ.get('WORLD_SIZE', dry_run_world))
+    per_rank = -(-n_prompts * n_samples // (world // pp_size))  # the samples a DP rank trains in a step
+    micro = -(-per_rank // n_microbatches)  # the longest micro-batch's rows (grpo.make_microbatches deals them)
     print(plan_table(args, pp_size, ep_size, world, micro, max_prompt_len + max_new_tokens, recompute,
-                     n_microbatches, pp_layers=split))
+                     n_microbatches, pp_layers=split, loss_chunk=loss_chunk, entropy_grad=entropy_coef > 0))
     sys.exit(0)
 grid = parallel.init_distributed(pp_size, ep_size, timeout_s=dist_timeout)
 master = grid.rank == 0
@@ -278,6 +282,7 @@ if model_dir:
 kernel_cache = os.path.join(compile_cache, 'kernel_check.json')
 kernel_paths = choose_kernels(kernels, args, grid.device, ptype, print0, kernel_cache)
 model.set_kernels(kernel_paths).set_invariant(invariant)
+model.loss_chunk, model.temperature = loss_chunk, temperature  # the loss's logprobs are the rollouts' (engine.py)
 if cache := compile_policy.use_compile(compile, compile_cache):
     compile_policy.compile_model(model)  # its blocks, head and head + loss: the loss below is traced into it
     print0(f"compile cache: {cache}")
@@ -435,9 +440,9 @@ def rollout_step(step):
     return None, errors
 
 
-def loss_fn(logits, mb):
-    """The GRPO token loss of a micro-batch (grpo.grpo_loss), as the last stage computes it."""
-    return grpo.grpo_loss(logits, mb, eps_low, eps_high, tis_cap, kl_coef, entropy_coef)
+def loss_fn(logp, entropy, mb):
+    """The GRPO token loss of a micro-batch (grpo.grpo_loss), as the last stage computes it (Transformer.head_loss)."""
+    return grpo.grpo_loss(logp, entropy, mb, eps_low, eps_high, tis_cap, kl_coef, entropy_coef)
 
 
 # -----------------------------------------------------------------------------
@@ -479,6 +484,20 @@ def sync_weights():
                 print0(f"the embedded rollout server exited with {server.exit_code()}: restarting it")
                 server.start('restarted')  # older weights: it serves once a sync completes there
                 client.wait_ready(timeout=600)
+
+
+def peak_memory():
+    """The step's memory in GB, the most of any rank: the trainer's peak in the step (memory_plan.peak_gb, then reset
+    for the next) and the embedded server's since it started (its /server_info); tensors, and what the process holds
+    from the device (the caching allocator's reserve: what the GPU sees used)."""
+    t = torch.tensor([*peak_gb(grid.device, reset=True), 0.0, 0.0], device=grid.device)
+    if master and server is not None:
+        (answer, err), = [fut.result() for fut in client.each('/server_info', method='GET', timeout=30).values()]
+        if err is None:  # a server that does not answer leaves zeros: the next step asks again
+            t[2:] = torch.tensor(answer['internal_states'][0]['peak_memory_gb'])
+    parallel.all_reduce(t, grid.world_group, 'memory peaks', op=dist.ReduceOp.MAX)
+    names = ['trainer_mem_gb', 'trainer_mem_reserved_gb', 'server_mem_gb', 'server_mem_reserved_gb']
+    return dict(zip(names[:2 if server is None else 4], t.tolist()))
 
 
 def finish_step(step, saved):
@@ -575,6 +594,7 @@ for step in range(start_step, max_steps):
     t2 = time.time()
     sync_weights()
     t3 = time.time()
+    rec.update(peak_memory())
     rec.update(t_rollout=t_roll, t_train=t2 - t1, t_sync=t3 - t2, weight_version=weight_version, elapsed_s=t3 - t_start,
                rollout_tok_s=rec['response_tokens'] / max(t_roll, 1e-9),
                train_tok_s=rec.get('train_tokens', 0) / max(t2 - t1, 1e-9))

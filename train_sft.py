@@ -1,8 +1,8 @@
 """
 Supervised fine-tuning (SFT) of DeepSeek-V4 on the math task's worked solutions (tasks.py): the base model that
 train_grpo.py then improves with RL on held-out problems it half solves. It runs on the GRPO trainer's own parts:
-the pipeline stages and 1F1B step (parallel.py), the micro-batches and token logprobs (grpo.py), AdamW
-(optimizer.py) and the official-layout weight writer (checkpoint.save_weights).
+the pipeline stages and 1F1B step (parallel.py), the micro-batches (grpo.py), the chunked head and its token logprobs
+(chunked_head.py), AdamW (optimizer.py) and the official-layout weight writer (checkpoint.save_weights).
 
     python train_sft.py config/sft_micro.py                    # the default base: micro V4, 2 CPU cores, ~3 min
     torchrun --standalone --nproc_per_node=4 train_sft.py config/sft_micro.py --pp_size=2 --ep_size=2
@@ -56,6 +56,7 @@ ep_size = 1
 pp_layers = ''  # e.g. '2,2'; '' = balanced
 n_microbatches = 2  # per DP rank
 recompute = False
+loss_chunk = 1024  # tokens whose head logits exist at once in the loss (chunked_head.py)
 dist_timeout = 600
 # data: the math task (tasks.py); the knobs are train_grpo's too, so that both see the same pools
 math_steps = 2  # operations per problem
@@ -82,6 +83,8 @@ log_interval = 10
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 try:
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
+    if loss_chunk < 1:
+        raise ValueError(f"loss_chunk={loss_chunk!r}: must be positive")
     if lr_schedule not in ('constant', 'linear', 'cosine') or dtype not in ('float32', 'bfloat16'):
         raise ValueError(f"lr_schedule={lr_schedule!r} (constant, linear, cosine), dtype={dtype!r} (float32, bfloat16)")
     if init_from != 'scratch' and not os.path.isfile(os.path.join(init_from, 'config.json')):
@@ -126,6 +129,7 @@ if model_dir:
     load_weights(model, model_dir, strict=False, device=grid.device)
 fast = choose_kernels(kernels, args, grid.device, ptype, print0)  # 'auto': each fast path checked here first
 model.set_kernels(fast)
+model.loss_chunk = loss_chunk
 for name, p in model.named_parameters():  # every parameter but MTP's, which has no loss here
     p.requires_grad_(not name.startswith('mtp.'))
 opt = AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -166,7 +170,7 @@ if is_logger:
     open(os.path.join(out_dir, 'metrics.jsonl'), 'w').close()
 parallel.barrier(grid.world_group, 'out_dir cleared')
 rng = random.Random(seed)  # the same stream on every rank: one global batch a step
-loss_fn = lambda lg, mb: -(grpo.token_logprobs(lg, mb) * mb['weight'] * mb['mask']).sum()
+loss_fn = lambda logp, entropy, mb: -(logp * mb['weight'] * mb['mask']).sum()  # Transformer.head_loss calls it
 for step in range(max_steps):
     t0 = time.time()
     batch = math_batch(rng, batch_size, **knobs, teacher_error=math_teacher_error, teacher_bug=math_teacher_bug)

@@ -101,7 +101,7 @@ def agree(grid, err, src=None):
 
 
 def tp_sizes(grid, client, urls):
-    """Ranks per server, SGLang's tp_size (the embedded server has no /server_info: 1), as rank 0 asked them."""
+    """Ranks per server, SGLang's tp_size from /server_info (1 where it does not say), as rank 0 asked them."""
     tps = None
     if grid.rank == 0:
         answers = [fut.result() for fut in client.each("/server_info", method="GET", urls=urls, timeout=30).values()]

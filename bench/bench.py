@@ -27,7 +27,6 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the project's modules, wherever this runs from
 import compile_policy  # noqa: E402
-import grpo  # noqa: E402
 import parallel  # noqa: E402
 from checkpoint import save_pretrained, save_weights  # noqa: E402
 from kernel_check import choose as choose_kernels  # noqa: E402
@@ -397,10 +396,10 @@ def bench_train(ours, ref, args, device, dtype, versions):
     # transformers feeds its fp32 mHC outputs to bf16 linears, which fails without autocast: in bf16 runs it is a
     # mixed-precision peer, as it would be trained
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    # the same mean next-token loss on both sides: ours is the trainer's last stage (Transformer.head_loss with
-    # grpo.token_logprobs, compiled by --compile=layers/graphs as in training) on every position, the last one's dummy
-    # target dropped from the mean as the trainer masks (slicing the logits first would copy them in the backward)
-    next_token = lambda logits, mb: -grpo.token_logprobs(logits, mb)[:, :-1].mean()
+    # the same mean next-token loss on both sides: ours is the trainer's last stage (Transformer.head_loss, its
+    # logits a chunk of tokens at a time, compiled by --compile=layers/graphs as in training) on every position, the
+    # last one's dummy target dropped from the mean as the trainer masks
+    next_token = lambda logp, entropy, mb: -logp[:, :-1].mean()
 
     def ours_loss(m, x):
         with m.numerics():

@@ -150,8 +150,9 @@ def run_ours(model_dir):
             proc.wait()
     path = os.path.join(out_dir, "metrics.jsonl")
     rows = [json.loads(s) for s in open(path)] if os.path.exists(path) else []
-    steps = [dict(rollout=r["t_rollout"], train=r["t_train"], sync=r["t_sync"], tokens=r["response_tokens"])
-             for r in rows if "t_rollout" in r]
+    mem = ("trainer_mem_gb", "trainer_mem_reserved_gb", "server_mem_gb", "server_mem_reserved_gb")
+    steps = [dict(rollout=r["t_rollout"], train=r["t_train"], sync=r["t_sync"], tokens=r["response_tokens"],
+                  **{k: r[k] for k in mem if k in r}) for r in rows if "t_rollout" in r]
     if not steps:
         raise SystemExit(f"train_grpo.py exited with {proc.returncode} before its first step")
     first = ends[0] - t0 if ends else None  # the steady state: from the end of the first step to the last's
@@ -259,6 +260,11 @@ def report():
         first = f"{r['first_step_s']:.0f} s" if r.get("first_step_s") else "-"
         busy = f"{r['gpu_busy']:.0f} %" if r.get("gpu_busy") is not None else "-"
         print(f"     | first step's line {first} after launch | GPU busy {busy} after the first step")
+        if "trainer_mem_gb" in r["steps"][0]:  # ours: each process's peak over the steps, tensors (held from the GPU)
+            top = {k: max(s.get(k, 0) for s in r["steps"]) for k in r["steps"][0] if k.endswith("mem_gb")
+                   or k.endswith("reserved_gb")}
+            print(f"     | peak memory: trainer {top['trainer_mem_gb']:.1f} GB ({top['trainer_mem_reserved_gb']:.1f}), "
+                  f"server {top.get('server_mem_gb', 0):.1f} GB ({top.get('server_mem_reserved_gb', 0):.1f})")
     if len(sums) == 2:
         o, t = sums["ours"], sums["trl"]
         print(f"ours / TRL: whole steps {t['total'] / o['total']:.2f}x, rollout {t['rollout'] / o['rollout']:.2f}x, "

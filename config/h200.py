@@ -1,7 +1,9 @@
-# One GPU (an H100 or H200): the bench_2b model (2.43B total, 0.79B active; spec §7.2) from scratch, with the
-# embedded rollout server on the same GPU: step time and memory at real V4 shapes (head_dim 512, ratios 4/128, real
-# vocab). A random model scores ~0 on math, so read t_roll / t_train / t_sync, not reward (bench/RESULTS.md).
-#   python train_grpo.py config/h200.py                                   # the math task: no download, no network
+# One 80 GB GPU (H100 or H200): bench_2b (2.43B, 0.79B active; spec §7.2) from scratch at V4's real shapes, the
+# embedded server on the same GPU, 2,048-token answers: step time and memory. A random model earns reward 0 on every
+# sample, so every group is flat: dynamic sampling is off (on, it re-rolls each step and then skips it) and each step
+# runs whole (rollout, forward and backward of every sample, AdamW, sync) on zero advantages, moving no weight. Read
+# t_roll / t_train / t_sync and mem, not reward; from a base that earns reward, turn sampling and evals back on.
+#   python train_grpo.py config/h200.py [--dry_run=True]                  # the math task: no download, no network
 #   python train_grpo.py config/h200.py --data=<DAPO-Math-17k .parquet or .jsonl> --eval_data=data/aime2024.jsonl
 out_dir = 'out/h200'
 seed = 1337
@@ -13,7 +15,7 @@ dtype = 'bfloat16'
 compile = 'off'  # 'layers' compiles the trainer's layers (minutes cold); the server replays CUDA graphs of eager
 
 # one GPU, so no PP/EP; micro-batches bound activation memory (128 samples / 16 = 8 per micro-batch)
-pp_size, ep_size = 1, 1
+pp_size, ep_size, dry_run_world = 1, 1, 1
 n_microbatches = 16
 recompute = True  # ~2k-token samples x 4 mHC streams; spec §7.2 budgets ~80 GB for activations
 optimizer_offload = False  # fp32 master + Adam is ~39 GB, it fits
@@ -32,8 +34,7 @@ max_new_tokens = 2048
 temperature, top_p = 0.8, 1.0
 lr, lr_schedule = 1e-6, 'constant'
 trainable, freeze_router = 'all', True
-kl_coef, entropy_coef = 0.0, 0.0
-eps_low, eps_high = 0.2, 0.28
-tis_cap = 2.0
-eval_interval, eval_n_samples = 10, 8
-checkpoint_interval, keep_checkpoints = 10, 1
+kl_coef, entropy_coef, dynamic_sampling = 0.0, 0.0, False
+eps_low, eps_high, tis_cap = 0.2, 0.28, 2.0
+eval_interval, eval_n_samples = 0, 8  # a random model's evals measure nothing (200 problems x 8 x 2,048 tokens)
+checkpoint_interval, keep_checkpoints = 0, 1  # a checkpoint with AdamW's state is ~34 GB of a random model

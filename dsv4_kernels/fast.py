@@ -43,6 +43,14 @@ def mm_f32(a, b):
     return a.float() @ b.float()
 
 
+def addmm_f32_(acc, a, b):
+    """acc += a @ b into the fp32 acc [M, N], a [M, K], b [K, N]: one bf16 GEMM that adds its fp32 result into acc in
+    place for CUDA bf16 operands (GEMM_F32), an fp32 GEMM otherwise. Returns acc."""
+    if GEMM_F32 and a.is_cuda and a.dtype == b.dtype == torch.bfloat16:
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    return acc.addmm_(a.float(), b.float())
+
+
 class _MatmulF32(torch.autograd.Function):
     """y = a @ b (a [..., M, K], b [..., K, N], both bf16) as fp32. Backward: the fp32 gradient is rounded to bf16
     once, then two more GEMMs with fp32 results, rounded to the operands' dtype (what a bf16 trainer stores).

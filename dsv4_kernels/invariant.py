@@ -31,6 +31,13 @@ class PathInvariant(torch.utils._python_dispatch.TorchDispatchMode):
         if func in self.DECOMPOSE:
             with self:
                 return self.DECOMPOSE[func](*args, **kwargs)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            # met inside a DECOMPOSE op's code, below autograd, a composite op (matmul, log_softmax) comes whole: its
+            # decomposition runs under the mode, where the sums it is made of are seen
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if func.overloadpacket not in self.SUMS or func._overloadname in ("out", "dtype_out", "IntList_out"):
             return func(*args, **kwargs)
         meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t

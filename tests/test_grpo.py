@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from chunked_head import from_logits
 from grpo import group_advantages, grpo_loss, keep_group, make_microbatches
 from helpers.grpo_base import ARGS as BASE_ARGS, assert_policy_gradient, base_checkpoint, run
 
@@ -47,6 +48,11 @@ def test_microbatches_padded_to_a_multiple_add_only_empty_positions():
             assert torch.equal(q[k][:, :T], p[k]) and not q[k][:, T:].any(), k
 
 
+def stats(logits, mb):
+    """Each position's logprob of its target and entropy, as Transformer.head_loss hands them to the loss."""
+    return from_logits(logits, mb["tgt"])
+
+
 def test_on_policy_step_is_exactly_reinforce():
     """Without old logprobs the ratio is exactly 1, nothing is clipped, approx KL is 0, and the gradient is
     -sum(A * w * grad logp): plain REINFORCE with group-normalised advantages."""
@@ -54,24 +60,20 @@ def test_on_policy_step_is_exactly_reinforce():
     mb = make_microbatches(groups_fixture(), 1, 4)[0]
     logits = torch.randn(*mb["input_ids"].shape, 16, requires_grad=True)
     mb["rollout_lp"] = torch.zeros_like(mb["rollout_lp"])
-    loss, m = grpo_loss(logits, mb, tis_cap=0)
+    loss, m = grpo_loss(*stats(logits, mb), mb, tis_cap=0)
     assert m["ratio_dev"].item() == 0.0 and m["clip"].item() == 0 and m["kl"].item() == 0.0
     loss.backward()
     ref = logits.detach().clone().requires_grad_()
     lp = ref.log_softmax(-1).gather(-1, mb["tgt"][..., None])[..., 0]
     (-(mb["adv"] * mb["weight"] * mb["mask"] * lp).sum()).backward()
     torch.testing.assert_close(logits.grad, ref.grad)
+    assert logits.grad.abs().max() > 0
 
 
-def test_written_out_logprob_backward_equals_autograds(monkeypatch):
-    """grpo.token_logprobs' backward, written out as one pass over the logits, against autograd's through
-    log_softmax and gather: fp64 gradcheck, and grpo_loss's gradient with clipping, TIS and KL against the same loss
-    over the plain ops; the entropy bonus adds entropy_coef times the gradient of the weighted negative entropy."""
-    import grpo
+def test_entropy_bonus_adds_the_weighted_entropys_gradient():
+    """entropy_coef: the loss's gradient moves by -entropy_coef times the gradient of the weighted entropy; the
+    entropy metric is the masked sum of -sum p log p, with the bonus or without."""
     g = torch.Generator().manual_seed(3)
-    z = torch.randn(2, 5, 11, dtype=torch.float64, generator=g, requires_grad=True)
-    tgt = torch.randint(0, 11, (2, 5), generator=g)
-    assert torch.autograd.gradcheck(lambda z: grpo.token_logprobs(z, {"tgt": tgt}), (z,))
     mb = make_microbatches(groups_fixture(), 1, 4)[0]
     logits = torch.randn(*mb["input_ids"].shape, 16, generator=g) * 3
     lp = logits.log_softmax(-1).gather(-1, mb["tgt"][..., None])[..., 0]
@@ -79,18 +81,18 @@ def test_written_out_logprob_backward_equals_autograds(monkeypatch):
 
     def grad(entropy_coef=0.0):
         x = logits.clone().requires_grad_()
-        loss, m = grpo.grpo_loss(x, mb, tis_cap=2.0, kl_coef=0.1, entropy_coef=entropy_coef)
+        loss, m = grpo_loss(*stats(x, mb), mb, tis_cap=2.0, kl_coef=0.1, entropy_coef=entropy_coef)
         loss.backward()
         assert m["clip"] > 0  # some tokens clipped
-        return x.grad
-    ours, bonus = grad(), grad(0.01)
+        return x.grad, m["entropy"]
+    (plain, ent0), (bonus, ent1) = grad(), grad(0.01)
     x = logits.clone().requires_grad_()
-    logp_all = x.log_softmax(-1)
-    ((logp_all.exp() * logp_all).sum(-1) * mb["weight"] * mb["mask"]).sum().backward()
-    torch.testing.assert_close(bonus - ours, 0.01 * x.grad, rtol=1e-4, atol=1e-8)
-    plain = lambda lg, mb: lg.log_softmax(-1).gather(-1, mb["tgt"][..., None])[..., 0]
-    monkeypatch.setattr(grpo, "token_logprobs", plain)
-    torch.testing.assert_close(ours, grad(), rtol=1e-5, atol=1e-7)
+    p = x.softmax(-1)
+    entropy = -(p * p.log()).sum(-1)
+    (entropy * mb["weight"] * mb["mask"]).sum().backward()
+    torch.testing.assert_close(bonus - plain, -0.01 * x.grad, rtol=1e-4, atol=1e-8)
+    assert x.grad.abs().max() > 1e-4
+    assert ent0.item() == ent1.item() == pytest.approx((entropy * mb["mask"]).sum().item(), rel=1e-5)
 
 
 def test_clipping_tis_and_kl():
@@ -99,7 +101,7 @@ def test_clipping_tis_and_kl():
     lp = logits.log_softmax(-1).gather(-1, mb["tgt"][..., None])[..., 0]
     mb["old_lp"] = lp - 0.5  # ratio e^0.5 = 1.65: clipped where A > 0 (at 1.28), not where A < 0
     mb["rollout_lp"] = mb["old_lp"] - 5.0  # pi_old / pi_rollout = e^5: TIS capped at 2
-    loss, m = grpo_loss(logits.requires_grad_(), mb, tis_cap=2.0)
+    loss, m = grpo_loss(*stats(logits.requires_grad_(), mb), mb, tis_cap=2.0)
     pos = (mb["adv"] > 0) & mb["mask"]
     assert m["clip"].item() == pos.sum().item()
     assert m["tis"].item() == pytest.approx(2.0 * mb["mask"].sum().item())
@@ -107,7 +109,7 @@ def test_clipping_tis_and_kl():
                            - mb["adv"] * torch.exp(torch.tensor(0.5)) * (mb["adv"] <= 0))
     assert loss.item() == pytest.approx((2.0 * expect * mb["weight"] * mb["mask"]).sum().item(), rel=1e-5)
     mb["ref_lp"] = lp.detach() + 0.3  # k3(d) = e^d - d - 1 with d = ref - logp = 0.3
-    loss_kl, _ = grpo_loss(logits, mb, tis_cap=2.0, kl_coef=0.1)
+    loss_kl, _ = grpo_loss(*stats(logits, mb), mb, tis_cap=2.0, kl_coef=0.1)
     k3 = (torch.exp(torch.tensor(0.3)) - 0.3 - 1).item()
     assert loss_kl.item() - loss.item() == pytest.approx(0.1 * k3 * (mb["weight"] * mb["mask"]).sum().item(), rel=1e-4)
 

@@ -57,8 +57,8 @@ def faulty_train_step(model, grid, opt, mbs, loss_fn, *a, **k):
     if now and mine and kind.startswith("nan"):
         inner, count = loss_fn, [0]
 
-        def loss_fn(logits, mb):
-            out, count[0] = inner(logits, mb), count[0] + 1
+        def loss_fn(*args):
+            out, count[0] = inner(*args), count[0] + 1
             return (out[0] * float("nan"), out[1]) if count[0] == 2 else out
     if now and mine and kind in ("sigkill", "hang"):
         def first_forward(*args, **kw):

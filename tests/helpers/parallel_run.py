@@ -39,7 +39,7 @@ def microbatches(seqs, n_micro, dp_rank, dp_size):
         T = max(len(s) for s in chunk)
         ids = torch.stack([F.pad(s, (0, T - len(s))) for s in chunk])
         mask = torch.stack([torch.arange(T) < len(s) - 1 for s in chunk])  # positions with a next token
-        out.append({"input_ids": ids, "mask": mask})
+        out.append({"input_ids": ids, "tgt": ids.roll(-1, 1), "mask": mask})
     return out
 
 
@@ -53,9 +53,8 @@ def run(grid, n_micro, schedule, recompute=False, offload=False):
         mbs = microbatches(global_batch(step), n_micro, grid.dp_rank, grid.dp_size)
         n_tok = parallel.all_reduce(sum(mb["mask"].sum() for mb in mbs).float(), grid.dp_group, "token count")
 
-        def loss_fn(logits, mb):  # this micro-batch's share of the mean next-token loss over the global batch
-            ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["input_ids"][:, 1:].flatten(), reduction="none")
-            return (ce * mb["mask"][:, :-1].flatten()).sum() / n_tok
+        def loss_fn(logp, entropy, mb):  # this micro-batch's share of the mean next-token loss over the global batch
+            return -(logp * mb["mask"]).sum() / n_tok
 
         m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip=0.5, schedule=schedule, recompute=recompute)
         loss = torch.tensor(m.get("loss", 0.0))
