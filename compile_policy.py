@@ -76,8 +76,8 @@ def compile_model(model, mode="layers", backend="inductor"):
     """Whole layers compiled where a step is bound by launching small kernels: each block's forward (one compiled
     function for all: layers of one kind, window / CSA / HCA with a hash or learned router, share a graph, since a
     module's parameters are inputs of the graph, not constants), the head (Transformer.logits: hc_head's collapse, the
-    final norm and the head's GEMM) and the last stage's head and loss as one graph (Transformer.head_loss: the
-    loss's backward writes the logits' gradient in bf16), the loss it is called with traced into it. Each compiled
+    final norm and the head's GEMM) and the last stage's head and loss as one graph (Transformer.head_loss: the chunked
+    head's custom ops whole inside it), the loss it is called with traced into it. Each compiled
     callable is an attribute of its module, so every caller of layer(x, ids), model.logits(x) and
     model.head_loss(...) takes it. The first call of each kind compiles (minutes for a 2B model on a GPU). Batch and
     length are symbolic from the first call (_dynamic_dims): every GRPO step brings new lengths, and a graph for the

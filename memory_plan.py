@@ -21,10 +21,10 @@ def loss_peak(args, tokens, chunk, act_bytes=2, entropy_grad=False):
     [tokens, D]; then the most of: a chunk's fp32 logits with their log-softmax (8 bytes a logit; 10 in the backward
     with an entropy bonus, whose gradient needs one more) beside the head weight's gradient, summed in fp32 (4 bytes a
     weight); or that sum rounded to the weight's dtype at the end (6 bytes a weight). Per-token vectors: ~100 bytes
-    a token."""
+    a token; the GEMMs' workspaces: 64 MB."""
     c, V, D = min(chunk, tokens), args.vocab_size, args.hidden_size
     logits = (10 if entropy_grad else 8) * c * V + 4 * V * D
-    return 2 * act_bytes * tokens * D + 100 * tokens + max(logits, (4 + act_bytes) * V * D)
+    return 2 * act_bytes * tokens * D + 100 * tokens + max(logits, (4 + act_bytes) * V * D) + 64e6
 
 
 def plan_table(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n_microbatches, pp_layers=None,

@@ -36,8 +36,11 @@ class AdamW:
 
     @torch.no_grad()
     def step(self):
+        """One update from the parameters' gradients, which it takes: each becomes its master's fp32 gradient and
+        leaves the parameter (None), so a bf16 and an fp32 copy of every gradient are never held together."""
         for p, m in zip(self.params, self.master):
             m.grad = p.grad.to(device=m.device, dtype=torch.float32) if p.grad is not None else None
+            p.grad = None
         self.opt.step()
         for p, m in zip(self.params, self.master):
             p.copy_(m.to(p.device, non_blocking=True))

@@ -407,10 +407,11 @@ def clip_grad_norm(model, grid, max_norm):
 
 def train_step(model, grid, opt, microbatches, loss_fn, grad_clip=1.0, schedule="1f1b", recompute=False):
     """One optimizer step over this rank's micro-batches (every DP rank passes the same number): dicts with
-    "input_ids" [B, T] plus what loss_fn(logits, mb) reads; it returns the micro-batch's share of the global loss
-    (normalised by global counts), or (loss, {name: value}). -> those metrics summed over micro-batches (last stage),
-    grad_norm, skipped, and nonfinite: this rank's micro-batches with a non-finite loss, as (index, loss). A non-finite
-    loss on any rank or a non-finite gradient norm skips the update on every rank."""
+    "input_ids" [B, T] plus what loss_fn(logp, entropy, mb) reads (Transformer.head_loss); it returns the
+    micro-batch's share of the global loss (normalised by global counts), or (loss, {name: value}). -> those metrics
+    summed over micro-batches (last stage), grad_norm, skipped, and nonfinite: this rank's micro-batches with a
+    non-finite loss, as (index, loss). A non-finite loss on any rank or a non-finite gradient norm skips the update on
+    every rank."""
     opt.zero_grad()
     metrics = (one_f_one_b if schedule == "1f1b" else afab)(model, grid, microbatches, loss_fn, recompute)
     metrics["nonfinite"] = [(i, x) for i, x in enumerate(metrics.pop("mb_losses", [])) if not math.isfinite(x)]

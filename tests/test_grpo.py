@@ -128,6 +128,9 @@ def test_minibatches_score_against_the_policy_before_the_step(tmp_path, base):
     rows = run(tmp_path / "m", "--max_steps=1", "--n_minibatches=2", "--lr=3e-3", *base)
     assert_policy_gradient(rows)
     assert rows[0]["ratio_abs_dev"] > 1e-4, rows[0]["ratio_abs_dev"]
+    # the step's record holds both processes' peak memory (on the CPU their peak resident sizes; the embedded
+    # server's from its /server_info), torch loaded in each
+    assert rows[0]["trainer_mem_gb"] > 0.1 and rows[0]["server_mem_gb"] > 0.1, rows[0]
 
 
 @pytest.mark.slow

@@ -93,6 +93,9 @@ def test_generate_response_layout(url):
                for (lp, t, text), o in zip(mi["output_token_logprobs"], out["output_ids"]))
     status, out = call(url, "/generate", {**gen_body(PROMPTS[:2], 1), "rid": "b"})  # a batch: a JSON list
     assert status == 200 and [o["meta_info"]["id"] for o in out] == ["b_0", "b_1"]
+    status, info = call(url, "/server_info", method="GET")  # SGLang's tp_size, and the process's peak memory in GB
+    tensors, held = info["internal_states"][0]["peak_memory_gb"]
+    assert status == 200 and info["tp_size"] == 1 and 0.05 < tensors <= held < 64, info
 
 
 @pytest.mark.parametrize("T", [0.7, 0.0], ids=["sampled", "greedy"])
