@@ -10,9 +10,10 @@ the longest micro-batch. No hardware.
 import resource
 
 import torch
+import torch.distributed as dist
 
 from model_dsv4 import Transformer
-from parallel import stage_layers
+from parallel import all_reduce, stage_layers
 
 
 def loss_peak(args, tokens, chunk, act_bytes=2, entropy_grad=False):
@@ -84,3 +85,17 @@ def peak_gb(device, reset=False):
         return out
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux counts KiB
     return rss, rss
+
+
+def step_peaks(grid, client=None):
+    """A GRPO step's memory in GB, the most of any rank: the trainer's peak in the step (peak_gb, then reset for the
+    next) and, given the client of the embedded server, that server's since it started (its /server_info); tensors,
+    and what each process holds from the device (the caching allocator's reserve: what the GPU sees used)."""
+    t = torch.tensor([*peak_gb(grid.device, reset=True), 0.0, 0.0], device=grid.device)
+    if grid.rank == 0 and client is not None:
+        (answer, err), = [fut.result() for fut in client.each("/server_info", method="GET", timeout=30).values()]
+        if err is None:  # a server that does not answer leaves zeros: the next step asks again
+            t[2:] = torch.tensor(answer["internal_states"][0]["peak_memory_gb"])
+    all_reduce(t, grid.world_group, "memory peaks", op=dist.ReduceOp.MAX)
+    names = ["trainer_mem_gb", "trainer_mem_reserved_gb", "server_mem_gb", "server_mem_reserved_gb"]
+    return dict(zip(names[:2 if client is None else 4], t.tolist()))

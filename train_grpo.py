@@ -42,7 +42,7 @@ import faults
 import compile_policy
 import parallel
 import replay
-from memory_plan import peak_gb, plan_table
+from memory_plan import plan_table, step_peaks
 import weight_sync as wsync
 from eval_aime import evaluate, load_problems, math_reward, overlong_penalty, summary
 import grpo
@@ -173,9 +173,8 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
         'rollout_compile': ('off', 'layers'),
     }
     positive = ['n_prompts', 'n_samples', 'max_prompt_len', 'max_new_tokens', 'n_microbatches', 'n_minibatches',
-                'loss_chunk', 'dry_run_world',
-                'rollout_max_batch', 'pp_size', 'ep_size', 'eval_n_samples', 'max_sampling_rounds', 'n_rl', 'n_test',
-                'weight_sync_bucket_mb']  # a zero batch divides by zero, a zero-row server never schedules
+                'loss_chunk', 'dry_run_world', 'rollout_max_batch', 'pp_size', 'ep_size', 'eval_n_samples',
+                'max_sampling_rounds', 'n_rl', 'n_test', 'weight_sync_bucket_mb']  # a zero batch divides by zero, a zero-row server never schedules
     at_least_0 = ['max_steps', 'warmup_steps', 'eval_interval', 'checkpoint_interval', 'eval_limit', 'watchdog_s',
                   'overlong_buffer', 'rollout_concurrency']
     for _k, _ok in choices.items():
@@ -246,10 +245,9 @@ except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 split = [int(x) for x in pp_layers.split(',')] if pp_layers else None
-if dry_run:  # the layout of the whole job on the meta device, no hardware
-    world = int(os.environ.get('WORLD_SIZE', dry_run_world))
-    per_rank = -(-n_prompts * n_samples // (world // pp_size))  # the samples a DP rank trains in a step
-    micro = -(-per_rank // n_microbatches)  # the longest micro-batch's rows (grpo.make_microbatches deals them)
+if dry_run:  # the layout of the whole job on the meta device, no hardware; its longest micro-batch's rows: a DP rank's
+    world = int(os.environ.get('WORLD_SIZE', dry_run_world))  # samples of a step, dealt by grpo.make_microbatches
+    micro = math.ceil(math.ceil(n_prompts * n_samples / (world // pp_size)) / n_microbatches)
     print(plan_table(args, pp_size, ep_size, world, micro, max_prompt_len + max_new_tokens, recompute,
                      n_microbatches, pp_layers=split, loss_chunk=loss_chunk, entropy_grad=entropy_coef > 0))
     sys.exit(0)
@@ -486,20 +484,6 @@ def sync_weights():
                 client.wait_ready(timeout=600)
 
 
-def peak_memory():
-    """The step's memory in GB, the most of any rank: the trainer's peak in the step (memory_plan.peak_gb, then reset
-    for the next) and the embedded server's since it started (its /server_info); tensors, and what the process holds
-    from the device (the caching allocator's reserve: what the GPU sees used)."""
-    t = torch.tensor([*peak_gb(grid.device, reset=True), 0.0, 0.0], device=grid.device)
-    if master and server is not None:
-        (answer, err), = [fut.result() for fut in client.each('/server_info', method='GET', timeout=30).values()]
-        if err is None:  # a server that does not answer leaves zeros: the next step asks again
-            t[2:] = torch.tensor(answer['internal_states'][0]['peak_memory_gb'])
-    parallel.all_reduce(t, grid.world_group, 'memory peaks', op=dist.ReduceOp.MAX)
-    names = ['trainer_mem_gb', 'trainer_mem_reserved_gb', 'server_mem_gb', 'server_mem_reserved_gb']
-    return dict(zip(names[:2 if server is None else 4], t.tolist()))
-
-
 def finish_step(step, saved):
     """The safe point: the step is over on every rank. A SIGTERM / SIGINT on any rank stops all here, with a
     checkpoint."""
@@ -594,7 +578,7 @@ for step in range(start_step, max_steps):
     t2 = time.time()
     sync_weights()
     t3 = time.time()
-    rec.update(peak_memory())
+    rec.update(step_peaks(grid, client if server is not None else None))  # the trainer's and our server's
     rec.update(t_rollout=t_roll, t_train=t2 - t1, t_sync=t3 - t2, weight_version=weight_version, elapsed_s=t3 - t_start,
                rollout_tok_s=rec['response_tokens'] / max(t_roll, 1e-9),
                train_tok_s=rec.get('train_tokens', 0) / max(t2 - t1, 1e-9))
