@@ -116,10 +116,16 @@ def load_weights(model, path, strict=True, device="cpu"):
     return model
 
 
-def from_pretrained(path, device=None, dtype=None) -> Transformer:
+def from_pretrained(path, device=None, dtype=None, weights=True) -> Transformer:
     """Build from config.json and load the weights (see load_weights for the errors). A checkpoint without mtp.* tensors
-    (transformers writes none) loads without the MTP layer."""
+    (transformers writes none) loads without the MTP layer. weights=False: from config.json alone, random weights drawn
+    on the device (SGLang's --load-format dummy: a server whose first weights arrive as an update)."""
     args = ModelArgs.from_json(os.path.join(path, "config.json"))
+    if not weights:
+        with torch.device("meta"):
+            model = Transformer(args, dtype=dtype or torch.bfloat16)
+        model.to_empty(device=device or "cpu").init_weights(draw_on=device or "cpu")
+        return model
     if args.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in checkpoint_index(path)):
         print(f"{path}: no mtp.* tensors, loading without the MTP layer")
         args.num_nextn_predict_layers = 0
@@ -136,14 +142,15 @@ def from_pretrained(path, device=None, dtype=None) -> Transformer:
 RANK_FILE = "trainer_rank{:05d}-of-{:05d}.pt"  # a rank's optimizer / RNG / cursor file in a checkpoint (rank, world)
 
 
-def save_weights(model, grid, path, args, quant="none"):
+def save_weights(model, grid, path, args, quant="none", weights=True):
     """Every writer saves model-rank{r}-of{w}.safetensors into path, quantized for rollout_quant; rank 0 adds
     config.json and the index (transformers' from_pretrained reads it too). Collective. -> (the first rows of
-    what this rank wrote, for verify; its bytes)."""
+    what this rank wrote, for verify; its bytes). weights=False: config.json alone (and an empty index), for a
+    server started with --load-format dummy."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
-    mine = {n: q.contiguous().cpu() for k, v in model.state_dict().items()
-            if (grid.edp_rank == 0 if ".experts." in k else grid.dp_rank == 0)  # what this rank writes (docstring)
+    mine = {n: q.contiguous().cpu() for k, v in model.state_dict().items() if weights
+            and (grid.edp_rank == 0 if ".experts." in k else grid.dp_rank == 0)  # what this rank writes (docstring)
             for n, q in quantize_tensor(k, v.detach(), quant).items()}
     fname = f"model-rank{grid.rank:05d}-of-{grid.world_size:05d}.safetensors"
     nbytes = sum(v.nbytes for v in mine.values())

@@ -33,9 +33,10 @@ def plan_table(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n
     """The memory plan as a markdown table, with lines saying what it assumes: per stage, the bytes of one rank's
     weights (bf16, fp32 where the reference keeps fp32), grads (same dtype), optimizer (fp32 master + two moments =
     12 B/param; in host memory with offload), an activation estimate for 1F1B with this micro-batch, on the last
-    stage the loss's peak for it (loss_peak), and the AdamW step's transients on the GPU (optimizer.AdamW: an fp32
-    copy of every gradient, which replaces it, and torch's multi-tensor AdamW's fp32 temporaries: 8 B/param). The
-    total: weights and optimizer, plus the larger of the backward's (grads, activations, loss) and the step's."""
+    stage the loss's peak for it (loss_peak), and the AdamW step's transients on the GPU (optimizer.AdamW.step, a
+    chunk of 2**28 parameters at a time: their fp32 gradients and torch's multi-tensor AdamW's fp32 temporaries, 8
+    B/param). The total: weights, optimizer, the backward's (grads, activations, loss) and the step's, all at once:
+    training graphs (graphs.py) keep their activations' memory pool through the step."""
     with torch.device("meta"):
         full = Transformer(args, dtype=torch.bfloat16)
     GB = 1e9
@@ -48,7 +49,8 @@ def plan_table(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n
              f"The loss (last stage) on that micro-batch: {loss:.2f} GB at its peak, its logits {loss_chunk} tokens at "
              f"a time (loss_chunk); all {tokens} tokens' fp32 logits at once would be {whole:.1f} GB.",
              "", "| stage | layers | params per rank | weights GB | grads GB | fp32 master + Adam GB | activations GB "
-             "| loss GB | AdamW step GB | GPU total GB | GPU total GB, optimizer offloaded |", "|---" * 11 + "|"]
+             "| loss GB | AdamW step GB (a chunk) | GPU total GB | GPU total GB, optimizer offloaded |",
+             "|---" * 11 + "|"]
     for pp_rank, layers in enumerate(stage_layers(args.num_hidden_layers, pp_size, pp_layers)):
         first, last = pp_rank == 0, pp_rank == pp_size - 1
         n_param = w_bytes = 0
@@ -67,11 +69,11 @@ def plan_table(args, pp_size, ep_size, world, micro_batch, seq_len, recompute, n
         work = micro_batch * args.num_attention_heads * seq_len * (args.sliding_window + seq_len // 4) * 4 * 2 \
             + tokens * args.num_experts_per_tok * args.moe_intermediate_size * 4 * 3
         act = (inflight * len(layers) * (stream if recompute else 12 * stream) + work) / GB  # 12: rough, no recompute
-        weights, optim, step = w_bytes / GB, 12 * n_param / GB, 8 * n_param / GB  # grads: as many bytes as weights
+        weights, optim, step = w_bytes / GB, 12 * n_param / GB, 8 * min(n_param, 2 ** 28) / GB  # grads: as weights
         backward = weights + act + (loss if last else 0.0)  # offloaded, the step runs in host memory
         lines.append(f"| {pp_rank} | {layers[0]}-{layers[-1]} | {n_param / 1e9:.2f}B | {weights:.1f} | {weights:.1f} "
                      f"| {optim:.1f} | {act:.1f} | {loss if last else 0.0:.1f} | {step:.1f} "
-                     f"| {weights + optim + max(backward, step):.1f} | {weights + backward:.1f} |")
+                     f"| {weights + optim + backward + step:.1f} | {weights + backward:.1f} |")
     return "\n".join(lines)
 
 

@@ -35,16 +35,34 @@ class AdamW:
         return self.opt.param_groups
 
     @torch.no_grad()
-    def step(self):
-        """One update from the parameters' gradients, which it takes: each becomes its master's fp32 gradient and
-        leaves the parameter (None), so a bf16 and an fp32 copy of every gradient are never held together."""
-        for p, m in zip(self.params, self.master):
-            m.grad = p.grad.to(device=m.device, dtype=torch.float32) if p.grad is not None else None
-            p.grad = None
-        self.opt.step()
-        for p, m in zip(self.params, self.master):
-            p.copy_(m.to(p.device, non_blocking=True))
-            m.grad = None
+    def step(self, chunk=1 << 28):
+        """One update from the parameters' gradients, which it takes (each parameter's .grad becomes None), about
+        `chunk` parameters at a time: their gradients copied to fp32 and torch's multi-tensor AdamW run on them alone
+        (it skips a parameter without a gradient), so the fp32 copies and AdamW's temporaries (8 bytes a parameter at
+        once) exist for a chunk, not for the model (1 GB each for a chunk of 2**28)."""
+        start = 0
+        while start < len(self.params):
+            end, n = start, 0
+            while end < len(self.params) and (n == 0 or n + self.params[end].numel() <= chunk):
+                n, end = n + self.params[end].numel(), end + 1
+            params, masters = self.params[start:end], self.master[start:end]
+            have = [(p, m) for p, m in zip(params, masters) if p.grad is not None]
+            if have:  # the chunk's gradients in one fp32 buffer, copied by one multi-tensor op
+                flat = torch.empty(sum(p.numel() for p, _ in have), dtype=torch.float32, device=have[0][1].device)
+                grads = [g.view_as(p) for g, (p, _) in zip(flat.split([p.numel() for p, _ in have]), have)]
+                torch._foreach_copy_(grads, [p.grad for p, _ in have])
+                for (p, m), g in zip(have, grads):
+                    m.grad, p.grad = g, None
+                del flat
+            self.opt.step()
+            if params[0].device == masters[0].device:
+                torch._foreach_copy_(params, masters)
+            else:  # offloaded: the new weights back to the device
+                for p, m in zip(params, masters):
+                    p.copy_(m.to(p.device, non_blocking=True))
+            for m in masters:
+                m.grad = None
+            start = end
 
     def zero_grad(self):
         for p in self.params:

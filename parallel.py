@@ -209,9 +209,11 @@ def stage_forward(model, x, ids, recompute=False, replay=None, stats=None, seg=N
         x = model.embed_streams(ids)
     rerun = lambda: (nullcontext(), model.numerics())  # a recomputed layer rounds as its forward did
     for layer, kw in zip(model.layers.values(), model.replay_kwargs(replay or {}, stats)):
-        # recompute: keep only each layer's input, rerun the layer in backward (same routing: deterministic)
+        # recompute: keep only each layer's input, rerun the layer in backward (same routing: deterministic; no RNG
+        # state kept, as no layer draws random numbers, and a CUDA graph capture cannot read it)
         kw["seg"] = seg
-        x = checkpoint(layer, x, ids, use_reentrant=False, context_fn=rerun, **kw) if recompute else layer(x, ids, **kw)
+        x = (checkpoint(layer, x, ids, use_reentrant=False, context_fn=rerun, preserve_rng_state=False, **kw)
+             if recompute else layer(x, ids, **kw))
     return x
 
 
@@ -285,21 +287,38 @@ def send_bwd_recv_fwd(grid, g, shape, dtype):
 # their gradients travel. The loss is a function argument: the last stage computes any token loss from what its
 # micro-batch carries (advantages, old logprobs, ...).
 
-def _forward(model, grid, x, mb, loss_fn, recompute, metrics):
+def stage_loss(model, x, mb, loss_fn, recompute=False):
+    """One micro-batch through this stage and, on the last (the one with the head), its loss, with no host sync (a CUDA
+    graph captures it: graphs.py) -> (the stage's output or the loss, {metric: tensor}, the routers' replay counts or
+    None)."""
     stats = []
     with model.numerics():
         out = stage_forward(model, x, mb["input_ids"], recompute, replayed(mb), stats, mb.get("seg"))
-        if stats:  # routing replay: (rows whose expert set the router would pick otherwise, rows), summed on the device
-            metrics["routing"] = metrics.get("routing", 0) + torch.stack(stats).sum(0)
-        if not grid.is_last_stage:
-            return out
+        # routing replay: (rows whose expert set the router would pick otherwise, rows), summed on the device
+        routing = torch.stack(stats).sum(0) if stats else None
+        if model.head is None:
+            return out, {}, routing
         loss = model.head_loss(out, mb, loss_fn)
     loss, extra = loss if isinstance(loss, tuple) else (loss, {})  # (loss, {name: value}) or a loss
-    for k, v in extra.items():  # summed over micro-batches; names ending in _max take the max
+    return loss, extra, routing
+
+
+def add_metrics(metrics, loss, extra, routing):
+    """A micro-batch's figures into the step's: summed over micro-batches (names ending in _max: the max), each loss
+    kept in micro-batch order (it names a non-finite one). loss None: a stage without the head. Reads the device."""
+    if routing is not None:
+        metrics["routing"] = metrics.get("routing", 0) + routing
+    for k, v in extra.items():
         metrics[k] = max(metrics.get(k, 0.0), float(v)) if k.endswith("_max") else metrics.get(k, 0.0) + float(v)
-    metrics["loss"] = metrics.get("loss", 0.0) + loss.item()
-    metrics.setdefault("mb_losses", []).append(loss.item())  # in micro-batch order: names a non-finite one
-    return loss
+    if loss is not None:
+        metrics["loss"] = metrics.get("loss", 0.0) + loss.item()
+        metrics.setdefault("mb_losses", []).append(loss.item())
+
+
+def _forward(model, grid, x, mb, loss_fn, recompute, metrics):
+    out, extra, routing = stage_loss(model, x, mb, loss_fn, recompute)
+    add_metrics(metrics, out if grid.is_last_stage else None, extra, routing)
+    return out
 
 
 def _backward(x, y, grad_y):
@@ -390,18 +409,23 @@ def reduce_grads(model, grid):
 
 def clip_grad_norm(model, grid, max_norm):
     """Global grad norm over every parameter of the model, counted once: experts differ across the EP group, layers
-    across the pipeline; dense copies across dp are identical after reduce_grads."""
-    sq = {"dense": torch.zeros((), device=grid.device), "expert": torch.zeros((), device=grid.device)}
+    across the pipeline; dense copies across dp are identical after reduce_grads. Multi-tensor ops (a launch for many
+    gradients: bench_2b has 2,836 parameters)."""
+    grads = {"dense": [], "expert": []}
     for name, p in model.named_parameters():
         if p.grad is not None:
-            sq["expert" if ".experts." in name else "dense"] += p.grad.float().square().sum()
+            grads["expert" if ".experts." in name else "dense"].append(p.grad)
+    sq = {k: torch.stack(torch._foreach_norm(g, 2, dtype=torch.float32)).square().sum() if g
+          else torch.zeros((), device=grid.device) for k, g in grads.items()}
     total = sq["dense"] + all_reduce(sq["expert"], grid.ep_group, "expert grad norm over ep")
     norm = all_reduce(total, grid.pp_group, "grad norm over pp").sqrt()
     if max_norm and math.isfinite(norm.item()):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+        by_dtype = {}
+        for g in grads["dense"] + grads["expert"]:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for dtype, gs in by_dtype.items():
+            torch._foreach_mul_(gs, coef.to(dtype))
     return norm.item()
 
 
@@ -413,7 +437,8 @@ def train_step(model, grid, opt, microbatches, loss_fn, grad_clip=1.0, schedule=
     non-finite loss, as (index, loss). A non-finite loss on any rank or a non-finite gradient norm skips the update on
     every rank."""
     opt.zero_grad()
-    metrics = (one_f_one_b if schedule == "1f1b" else afab)(model, grid, microbatches, loss_fn, recompute)
+    run = schedule if callable(schedule) else one_f_one_b if schedule == "1f1b" else afab  # or graphs.StepGraphs.train
+    metrics = run(model, grid, microbatches, loss_fn, recompute)
     metrics["nonfinite"] = [(i, x) for i, x in enumerate(metrics.pop("mb_losses", [])) if not math.isfinite(x)]
     ids = [t for mb in microbatches for t in replayed(mb).values()]
     if ids:  # replay: each stage's routers count their own layers; the memory of the ids, the most on any rank

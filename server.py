@@ -394,7 +394,7 @@ class HTTPServer(ThreadingHTTPServer):
 
 def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None, api_key=None, max_batch=64,
           max_len=4096, background=True, quant="none", fp8_emu=False, invariant=False, record=(), kernels="auto",
-          compile="off"):
+          compile="off", load_format="auto"):
     """Serve a model_dsv4.Transformer, or a checkpoint directory loaded with from_pretrained. Returns the
     HTTPServer (its .url, .close()), serving from a thread of its own, or not yet with background=False.
     fp8_emu: FP8 activations, KV and indexer FP4 as the reference computes them (model.set_fp8_emulation). invariant:
@@ -402,7 +402,7 @@ def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None
     path = model if isinstance(model, str) else ""
     if path:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = from_pretrained(path, device=device, dtype=dtype)
+        model = from_pretrained(path, device=device, dtype=dtype, weights=load_format != "dummy")
     kernels = choose_kernels(kernels, model.args, next(model.parameters()).device, model.dtype)  # kernel_check.py
     model.set_kernels(kernels).set_invariant(invariant)  # invariant: every sum in fp64, and the reference kernels
     if fp8_emu:
@@ -418,7 +418,7 @@ def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None
               f"weight-update and control endpoints answer 403", flush=True)
     w = app.weights
     if w.qformats:  # the quantized state: the checkpoint's own (official format), else quantized here, once
-        stored = read_raw(path, w.qformats) if path else {}
+        stored = read_raw(path, w.qformats) if path and load_format != "dummy" else {}
         named = {}
         for k, v in model.state_dict().items():
             if quant_format(k, quant):
@@ -456,7 +456,8 @@ def serve(args):
     compile_policy.use_compile(args.compile, args.compile_cache)  # before the engine: its first decode steps compile
     httpd = start(args.model, args.host, args.port, getattr(torch, args.dtype), args.device, args.api_key,
                   args.max_batch, args.max_len, background=False, quant=args.quant, fp8_emu=args.fp8_emu,
-                  invariant=args.invariant, record=args.record, kernels=args.kernels, compile=args.compile)
+                  invariant=args.invariant, record=args.record, kernels=args.kernels, compile=args.compile,
+                  load_format=args.load_format)
     httpd.app.engine.weight_version = args.weight_version  # SGLang's --weight-version: what its samples carry
     if args.compile == "layers":  # compile and capture every batch bucket now, not in the first rollout
         t0, done, stop = time.time(), [], threading.Event()
@@ -500,6 +501,8 @@ if __name__ == "__main__":
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on the ready line)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights from "
+                   "--model's config.json alone, until the first weight update (a trainer's first sync)")
     p.add_argument("--quant", default="none", choices=["none", "fp8", "fp8_fp4"],
                    help="serve from the official FP8 (and FP4 routed experts) tensors")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")

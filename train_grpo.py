@@ -46,6 +46,7 @@ from memory_plan import plan_table, step_peaks
 import weight_sync as wsync
 from eval_aime import evaluate, load_problems, math_reward, overlong_penalty, summary
 import grpo
+from graphs import StepGraphs, why_not
 from grpo import deal, group_advantages, inert_group, keep_group, make_microbatches
 from kernel_check import choose as choose_kernels
 from model_dsv4 import ModelArgs, length_multiple, pack_multiple
@@ -68,6 +69,7 @@ dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 is
 kernels = 'auto'  # 'auto': the fast paths (dsv4_kernels/) that pass kernel_check.py on this GPU | 'fast' | 'reference'
 compile = 'off'  # 'layers': the trainer's layers, head and loss torch.compiled (compile_policy.py)
 rollout_compile = 'off'  # the embedded server: 'off' replays CUDA graphs of its eager decode; 'layers' compiles first
+train_graphs = 'auto'  # 'auto': a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py)
 compile_cache = 'out/compile_cache'  # inductor / Triton caches for the next launch (TORCHINDUCTOR_CACHE_DIR wins)
 invariant = False  # trainer and embedded server path-invariant (model.set_invariant): logprobs equal bit for bit; slow
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the math and toy tasks, else 'deepseek-v4'
@@ -171,6 +173,7 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
         'kernels': ('auto', 'fast', 'reference'),
         'compile': ('off', 'layers'),
         'rollout_compile': ('off', 'layers'),
+        'train_graphs': ('auto', 'off'),
     }
     positive = ['n_prompts', 'n_samples', 'max_prompt_len', 'max_new_tokens', 'n_microbatches', 'n_minibatches',
                 'loss_chunk', 'dry_run_world', 'rollout_max_batch', 'pp_size', 'ep_size', 'eval_n_samples',
@@ -259,11 +262,7 @@ skips = faults.Skips(max_consecutive_skips)
 is_logger = grid.is_last_stage and grid.dp_rank == 0  # the loss lives on the last stage
 
 
-def print0(*a):
-    if master:
-        print(*a, flush=True)
-
-
+print0 = lambda *a: print(*a, flush=True) if master else None
 torch.manual_seed(seed)
 random.seed(seed)
 ptype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
@@ -284,6 +283,8 @@ model.loss_chunk, model.temperature = loss_chunk, temperature  # the loss's logp
 if cache := compile_policy.use_compile(compile, compile_cache):
     compile_policy.compile_model(model)  # its blocks, head and head + loss: the loss below is traced into it
     print0(f"compile cache: {cache}")
+graphs = StepGraphs(model, grid, log=print0) if (why := why_not(grid, model, train_graphs)) is None else None
+print0(f"train graphs: {'on' if graphs else f'off ({why})'}")
 pad_to = length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths
 pack = pack_multiple(args) if pack_samples else 0  # where a packed sample may start (a multiple of every ratio)
 # the servers' ids we replay
@@ -321,13 +322,13 @@ sync_dir = os.path.join(out_dir, 'weights')
 os.makedirs(out_dir, exist_ok=True)
 server, external = None, bool(rollout_url)
 if not external:
-    # the server starts from the trainer's weights
-    checkpoint.save_weights(model, grid, sync_dir, args, quant=rollout_quant)
+    # the server starts from the trainer's weights: from disk, or with a transport that hands tensors over, from the
+    # config alone (random weights: SGLang's --load-format dummy) and then the trainer's first sync, as any update
+    checkpoint.save_weights(model, grid, sync_dir, args, quant=rollout_quant, weights=weight_sync == 'disk')
     if master:
-        flags = ['--dtype', dtype, '--max-batch', str(rollout_max_batch), '--max-len',
-                 str(max_prompt_len + max_new_tokens), '--quant', rollout_quant, '--compile', rollout_compile]
-        if invariant:
-            flags.append('--invariant')
+        flags = ['--dtype', dtype, '--max-batch', str(rollout_max_batch), '--max-len', str(max_prompt_len +
+                 max_new_tokens), '--quant', rollout_quant, '--compile', rollout_compile, '--load-format',
+                 'auto' if weight_sync == 'disk' else 'dummy'] + ['--invariant'] * invariant
         flags += [replay.FLAGS[f] for f in replayed]
         flags += ['--kernels', ','.join(kernel_paths) or 'reference']
         server = EmbeddedServer(sync_dir, flags).start(str(weight_version))
@@ -458,9 +459,7 @@ if wandb_log and is_logger:
         import wandb
     except ImportError:
         raise SystemExit("error: wandb_log=True needs the wandb package (pip install wandb)")
-    wandb_mode = None  # online with a key, else offline
-    if not os.environ.get('WANDB_API_KEY'):
-        wandb_mode = 'offline'
+    wandb_mode = None if os.environ.get('WANDB_API_KEY') else 'offline'  # online with a key
     wandb.init(project=wandb_project, config=config, dir=out_dir, mode=wandb_mode)
 
 
@@ -518,8 +517,8 @@ def held_out_eval(n_updates):
     return parallel.broadcast_object(ev, 0, grid.world_group, 'eval metrics')
 
 
-if external:
-    sync_weights()  # the servers may hold other weights than the ones we start from (the embedded one starts from ours)
+if external or weight_sync != 'disk':
+    sync_weights()  # the servers may hold other weights than the ones we start from (the embedded one: random ones)
 
 # -----------------------------------------------------------------------------
 # the loop
@@ -565,10 +564,11 @@ for step in range(start_step, max_steps):
                                    pad_to, replayed, args, pack) for part, few in zip(parts, fewest)]
         if n_minibatches > 1:  # the old policy's logprobs, before any of this rollout's updates
             for mbs in minis:
-                for mb, lp in zip(mbs, parallel.forward_only(model, grid, mbs, grpo.token_logprobs)):
+                for mb, lp in zip(mbs, (graphs or parallel).forward_only(model, grid, mbs, grpo.token_logprobs)):
                     mb['old_lp'] = lp
         for mbs in minis:
-            m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip, recompute=recompute)
+            m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip, graphs.train if graphs else '1f1b',
+                                    recompute)
             rec['grad_norm'] = m['grad_norm']
             if m['skipped']:  # the same verdict on every rank
                 bad = rec['skipped'] = faults.report_nonfinite(step, m, mbs, model, grid.rank,
@@ -578,7 +578,7 @@ for step in range(start_step, max_steps):
     t2 = time.time()
     sync_weights()
     t3 = time.time()
-    rec.update(step_peaks(grid, client if server is not None else None))  # the trainer's and our server's
+    rec.update(step_peaks(grid, client if server is not None else None), **(graphs.take_counts() if graphs else {}))
     rec.update(t_rollout=t_roll, t_train=t2 - t1, t_sync=t3 - t2, weight_version=weight_version, elapsed_s=t3 - t_start,
                rollout_tok_s=rec['response_tokens'] / max(t_roll, 1e-9),
                train_tok_s=rec.get('train_tokens', 0) / max(t2 - t1, 1e-9))

@@ -32,6 +32,7 @@ import grpo
 import parallel
 from checkpoint import from_pretrained, load_weights, save_weights
 from engine import Engine
+from graphs import StepGraphs, why_not
 from kernel_check import choose as choose_kernels
 from eval_aime import evaluate, summary
 from model_dsv4 import ModelArgs
@@ -57,6 +58,7 @@ pp_layers = ''  # e.g. '2,2'; '' = balanced
 n_microbatches = 2  # per DP rank
 recompute = False
 loss_chunk = 1024  # tokens whose head logits exist at once in the loss (chunked_head.py)
+train_graphs = 'auto'  # 'auto': a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py)
 dist_timeout = 600
 # data: the math task (tasks.py); the knobs are train_grpo's too, so that both see the same pools
 math_steps = 2  # operations per problem
@@ -85,6 +87,8 @@ try:
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
     if loss_chunk < 1:
         raise ValueError(f"loss_chunk={loss_chunk!r}: must be positive")
+    if train_graphs not in ('auto', 'off'):
+        raise ValueError(f"train_graphs={train_graphs!r}: choose one of auto, off")
     if lr_schedule not in ('constant', 'linear', 'cosine') or dtype not in ('float32', 'bfloat16'):
         raise ValueError(f"lr_schedule={lr_schedule!r} (constant, linear, cosine), dtype={dtype!r} (float32, bfloat16)")
     if init_from != 'scratch' and not os.path.isfile(os.path.join(init_from, 'config.json')):
@@ -130,6 +134,8 @@ if model_dir:
 fast = choose_kernels(kernels, args, grid.device, ptype, print0)  # 'auto': each fast path checked here first
 model.set_kernels(fast)
 model.loss_chunk = loss_chunk
+graphs = StepGraphs(model, grid, log=print0) if (why := why_not(grid, model, train_graphs)) is None else None
+print0(f"train graphs: {'on' if graphs else f'off ({why})'}")
 for name, p in model.named_parameters():  # every parameter but MTP's, which has no loss here
     p.requires_grad_(not name.startswith('mtp.'))
 opt = AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -181,12 +187,12 @@ for step in range(max_steps):
     mbs = grpo.make_microbatches(groups, min(n_microbatches, len(mine)), float(n_tokens), 'token_mean', grid.device)
     for g in opt.param_groups:
         g['lr'] = lr_of(step)
-    m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip, recompute=recompute)
+    m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip, graphs.train if graphs else '1f1b', recompute)
     loss = torch.tensor(m.get('loss', 0.0), dtype=torch.float64, device=grid.device)
     loss = parallel.all_reduce(loss, grid.dp_group, 'loss').item()  # the last stage's; other stages hold 0
     dt, tokens = time.time() - t0, sum(len(p) + len(r) for p, r in pairs)
     rec = {'step': step, 'loss': loss, 'lr': lr_of(step), 'grad_norm': m['grad_norm'], 'skipped': m['skipped'],
-           'tokens': tokens, 'tok_s': tokens / dt, 't_step': dt}
+           'tokens': tokens, 'tok_s': tokens / dt, 't_step': dt, **(graphs.take_counts() if graphs else {})}
     last = step + 1 == max_steps
     ev = save_and_evaluate(step) if last or (eval_interval and (step + 1) % eval_interval == 0) else {}
     line = ev.pop('summary', None)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the project's modules, wherever this runs from
 import compile_policy  # noqa: E402
+import graphs  # noqa: E402
 import parallel  # noqa: E402
 from checkpoint import save_pretrained, save_weights  # noqa: E402
 from kernel_check import choose as choose_kernels  # noqa: E402
@@ -48,14 +49,20 @@ p.add_argument("--kernels", default="auto", choices=["auto", "fast", "reference"
 p.add_argument("--compile", default="off", choices=["off", "layers", "graphs"],
                help="compile_policy.compile_model (and compile_engine for decode): layers; graphs: with CUDA graphs "
                     "of each layer's forward and backward, GPU only")
+p.add_argument("--train_graphs", action="store_true", help="train: ours as the trainer replays a micro-batch on one "
+               "GPU (graphs.StepGraphs: forward, loss and backward captured whole, after one eager run); with "
+               "--compile=layers, of the compiled layers")
 p.add_argument("--invariant", action="store_true", help="mismatch: both sides path-invariant (model.set_invariant)")
 p.add_argument("--profile", action="store_true", help="train, decode: our top CUDA/CPU ops (a step; 4 decode steps)")
 p.add_argument("--trace", default="", help="with --profile: also write the profiled steps' chrome://tracing JSON here")
-p.add_argument("--no_peer", action="store_true", help="decode: ours and the floor only, no transformers (no ratio)")
+p.add_argument("--no_peer", action="store_true",
+               help="decode, train: ours (and decode's floor) only, no transformers (no ratio)")
 p.add_argument("--layers", type=int, default=0, help="keep only the first N trunk layers (less memory; 0 = all)")
 cli = p.parse_args()
-if cli.compile == "graphs" and not torch.cuda.is_available():
-    p.error("--compile=graphs records CUDA graphs: it needs a GPU")
+if (cli.compile == "graphs" or cli.train_graphs) and not torch.cuda.is_available():
+    p.error("--compile=graphs and --train_graphs record CUDA graphs: they need a GPU")
+if cli.compile == "graphs" and cli.train_graphs:
+    p.error("--compile=graphs records each layer's graphs: a micro-batch's graph (--train_graphs) cannot hold them")
 
 
 def sync(device):
@@ -73,22 +80,24 @@ def timed(fn, device, reps=1):
     return (time.perf_counter() - t0) / reps
 
 
-def time_train(model, ids, loss_of, steps, warmup, device):
-    """(seconds per forward+backward of a next-token loss, seconds the host took to issue it), medians over steps.
-    When the two are close the host bounds the step: the device waits between kernels."""
+def time_train(model, ids, step, steps, warmup, device):
+    """(seconds per forward+backward of a next-token loss, seconds the host took to issue it, the first call's
+    seconds), medians over steps; step(model, ids) runs one. When the first two are close the host bounds the step:
+    the device waits between kernels."""
     times, issue = [], []
     for i in range(warmup + steps):
         sync(device)
         t0 = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()  # a new step for compile's CUDA graphs (mode="reduce-overhead")
-        loss_of(model, ids).backward()
+        step(model, ids)
         model.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
         sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            issue.append(t1 - t0)
-    return sorted(times)[len(times) // 2], sorted(issue)[len(issue) // 2]
+        times.append(time.perf_counter() - t0)
+        issue.append(t1 - t0)
+    first = times[0]
+    times, issue = times[warmup:], issue[warmup:]
+    return sorted(times)[len(times) // 2], sorted(issue)[len(issue) // 2], first
 
 
 def train_flops(model, args, seq):
@@ -401,22 +410,29 @@ def bench_train(ours, ref, args, device, dtype, versions):
     # last one's dummy target dropped from the mean as the trainer masks
     next_token = lambda logp, entropy, mb: -logp[:, :-1].mean()
 
-    def ours_loss(m, x):
+    def ours_step(m, x):  # eager, as train_grpo.py's layouts other than one GPU stage run
         with m.numerics():
-            return m.head_loss(parallel.stage_forward(m, None, x), {"tgt": x.roll(-1, 1)}, next_token)
-    ref_loss = lambda m, x: F.cross_entropy(m(x).logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
-    for name, model, loss_of in (("nano-dsv4-rl", ours, ours_loss), ("transformers", ref, ref_loss)):
+            m.head_loss(parallel.stage_forward(m, None, x), {"tgt": x.roll(-1, 1)}, next_token).backward()
+    if cli.train_graphs:  # the trainer's replayed micro-batch; padded to its bucket, the mean above would change
+        assert (graphs.bucket(cli.batch, 4), graphs.bucket(cli.seq, 8)) == (cli.batch, cli.seq), \
+            f"--batch {cli.batch} x --seq {cli.seq} is not a bucket's shape (graphs.bucket): choose e.g. 8 x 320"
+        step_graphs = graphs.StepGraphs(ours, None, log=lambda *a: None)
+        ours_step = lambda m, x: step_graphs.train(m, None, [{"input_ids": x, "tgt": x.roll(-1, 1)}],  # noqa: F811
+                                                   next_token)
+    ref_step = lambda m, x: F.cross_entropy(m(x).logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten()).backward()
+    for name, model, step in (("nano-dsv4-rl", ours, ours_step), ("transformers", ref, ref_step))[:2 - cli.no_peer]:
         base = torch.cuda.memory_allocated() if cuda else 0
         torch.cuda.reset_peak_memory_stats() if cuda else None
         with amp if name == "transformers" else contextlib.nullcontext():
-            t, host = time_train(model, ids, loss_of, cli.steps, cli.warmup, device)
+            t, host, first = time_train(model, ids, step, cli.steps, cli.warmup, device)
         results[name] = t
         mem = f", {(torch.cuda.max_memory_allocated() - base) / 1e9:.1f} GB over its start" if cuda else ""
         print(f"  {name:14s} {ids.numel() / t:10.0f} tokens/s   ({t * 1e3:.0f} ms/step)   MFU {flops / t / peak:.1%}   "
-              f"(host issued it in {host * 1e3:.0f} ms{mem})", flush=True)
-    print(f"  ratio ours / transformers: {results['transformers'] / results['nano-dsv4-rl']:.2f}x")
+              f"(host issued it in {host * 1e3:.0f} ms{mem}; the first call {first:.1f} s)", flush=True)
+    if ref is not None:
+        print(f"  ratio ours / transformers: {results['transformers'] / results['nano-dsv4-rl']:.2f}x")
     if cli.profile:
-        profiled(lambda: time_train(ours, ids, ours_loss, 1, 0, device), device, 1, cli.trace,
+        profiled(lambda: time_train(ours, ids, ours_step, 1, 0, device), device, 1, cli.trace,
                  record_shapes=bool(cli.trace), with_stack=bool(cli.trace))
 
 
@@ -450,7 +466,7 @@ if __name__ == "__main__":
     import transformers
     logging.getLogger("transformers").setLevel(logging.ERROR)
     ref = None
-    if not (cli.what == "decode" and cli.no_peer):  # the peer: a copy of ours, through a checkpoint on disk
+    if not cli.no_peer:  # the peer: a copy of ours, through a checkpoint on disk
         with tempfile.TemporaryDirectory() as d:
             save_pretrained(ours, d)
             ref = transformers.DeepseekV4ForCausalLM.from_pretrained(d, dtype=dtype).to(device)

@@ -59,6 +59,7 @@ p.add_argument("--mb", type=int, default=8, help="samples a micro-batch")
 p.add_argument("--lr", type=float, default=1e-6)
 p.add_argument("--temperature", type=float, default=1.0)
 p.add_argument("--compile", default="off", choices=["off", "layers"], help="ours: train_grpo.py's compile")
+p.add_argument("--train_graphs", default="auto", choices=["auto", "off"], help="ours: train_grpo.py's train_graphs")
 p.add_argument("--seed", type=int, default=1337)
 p.add_argument("--out", default="out/grpo_vs_trl")
 cli = p.parse_args()
@@ -130,8 +131,8 @@ def run_ours(model_dir):
            f"--max_steps={cli.steps}", f"--n_prompts={cli.n_prompts}", f"--n_samples={cli.n_samples}",
            f"--max_new_tokens={cli.max_new_tokens}", f"--n_microbatches={cli.n_prompts * cli.n_samples // cli.mb}",
            f"--lr={cli.lr}", f"--temperature={cli.temperature}", "--top_p=1.0", f"--dtype={cli.dtype}",
-           f"--compile={cli.compile}", "--dynamic_sampling=False", "--loss_agg=token_mean", "--freeze_router=False",
-           "--recompute=True", f"--seed={cli.seed}", f"--n_rl={N_RL}",
+           f"--compile={cli.compile}", f"--train_graphs={cli.train_graphs}", "--dynamic_sampling=False",
+           "--loss_agg=token_mean", "--freeze_router=False", "--recompute=True", f"--seed={cli.seed}", f"--n_rl={N_RL}",
            f"--rollout_max_batch={cli.n_prompts * cli.n_samples}"]
     if not torch.cuda.is_available():
         cmd += ["--weight_sync=disk"]  # CUDA IPC needs a GPU
@@ -150,13 +151,15 @@ def run_ours(model_dir):
             proc.wait()
     path = os.path.join(out_dir, "metrics.jsonl")
     rows = [json.loads(s) for s in open(path)] if os.path.exists(path) else []
-    mem = ("trainer_mem_gb", "trainer_mem_reserved_gb", "server_mem_gb", "server_mem_reserved_gb")
+    mem = ("trainer_mem_gb", "trainer_mem_reserved_gb", "server_mem_gb", "server_mem_reserved_gb", "train_tokens",
+           "graph_replayed", "graph_captured", "graph_eager")  # and how the train half ran (graphs.StepGraphs)
     steps = [dict(rollout=r["t_rollout"], train=r["t_train"], sync=r["t_sync"], tokens=r["response_tokens"],
                   **{k: r[k] for k in mem if k in r}) for r in rows if "t_rollout" in r]
     if not steps:
         raise SystemExit(f"train_grpo.py exited with {proc.returncode} before its first step")
     first = ends[0] - t0 if ends else None  # the steady state: from the end of the first step to the last's
-    return dict(first_step_s=first, steps=steps, peer=f"train_grpo.py, compile {cli.compile}",
+    return dict(first_step_s=first, steps=steps, peer=f"train_grpo.py, compile {cli.compile}, train_graphs "
+                f"{cli.train_graphs}",
                 gpu_busy=busy.mean(ends[0], ends[-1]) if len(ends) > 1 else None)
 
 

@@ -134,6 +134,19 @@ def test_minibatches_score_against_the_policy_before_the_step(tmp_path, base):
 
 
 @pytest.mark.slow
+def test_tensor_sync_starts_the_server_from_the_config_alone(tmp_path, base):
+    """weight_sync='tensor': the embedded server starts from config.json alone (--load-format dummy: random weights,
+    none written to disk) and takes the trainer's weights in a first sync, before the first rollout: its samples carry
+    that version, and the trainer scores them as the server did (random weights would be off by nats a token)."""
+    rows = run(tmp_path / "t", "--max_steps=1", "--weight_sync=tensor", *base)
+    assert sorted(p.name for p in (tmp_path / "t" / "weights").iterdir()) == ["config.json",
+                                                                             "model.safetensors.index.json"]
+    # the samples carry the first sync's version (1, none stale), the step's own sync makes 2
+    assert rows[0]["stale_samples"] == 0 and rows[0]["weight_version"] == 2, rows[0]
+    assert rows[0]["train_tokens"] > 0 and rows[0]["logprob_abs_diff"] < 1e-4, rows[0]
+
+
+@pytest.mark.slow
 def test_invariant_run_scores_rollouts_exactly(tmp_path):
     """invariant=True (model.set_invariant in the trainer's stages, --invariant on the embedded server): a bf16 run
     on 2 pipeline stages with activation recompute re-scores every sampled token exactly as the server did

@@ -200,5 +200,6 @@ def test_train_grpo_syncs_into_fp8_server(mode, tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0 and "weight sync, attempt" not in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
-    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]  # step 1 sampled what the first sync sent
-    assert [(r["weight_version"], r["stale_samples"]) for r in recs] == [(1, 0), (2, 0)]
+    # the server starts from the config alone and takes version 1 in a sync before step 0; each step's sync adds one
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["weight_version"], r["stale_samples"]) for r in recs] == [(2, 0), (3, 0)]
