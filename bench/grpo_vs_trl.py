@@ -121,7 +121,7 @@ def device_name():
     return torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)"
 
 
-def run_ours(model_dir):
+def run_ours(model_dir, prompts):
     out_dir = os.path.join(cli.out, "ours_run")
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
@@ -158,9 +158,38 @@ def run_ours(model_dir):
     if not steps:
         raise SystemExit(f"train_grpo.py exited with {proc.returncode} before its first step")
     first = ends[0] - t0 if ends else None  # the steady state: from the end of the first step to the last's
-    return dict(first_step_s=first, steps=steps, peer=f"train_grpo.py, compile {cli.compile}, train_graphs "
-                f"{cli.train_graphs}",
+    for i, s in enumerate(steps):  # the tokens trained: each sample's prompt and answer
+        s["tokens_trained"] = s.pop("train_tokens", 0) + cli.n_samples * sum(
+            len(q["ids"]) for q in prompts[i * cli.n_prompts:(i + 1) * cli.n_prompts])
+    return dict(first_step_s=first, steps=steps, mfu=train_mfu(model_dir, steps),
+                peer=f"train_grpo.py, compile {cli.compile}, train_graphs {cli.train_graphs}",
                 gpu_busy=busy.mean(ends[0], ends[-1]) if len(ends) > 1 else None)
+
+
+def train_mfu(model_dir, steps):
+    """The train half's model FLOPs utilisation: 6 x active parameters (routed experts at top-k / experts, the
+    embedding not counted) x tokens trained a step (prompts and answers), over the train half's seconds (median of the
+    steps after the first) and the GPU's measured bf16 matmul rate (an 8192^3 product). Attention's FLOPs and
+    activation recompute's extra forward are not counted: a floor. None on the CPU."""
+    rest = steps[1:] or steps
+    if not torch.cuda.is_available() or not rest:
+        return None
+    args = ModelArgs.from_json(os.path.join(model_dir, "config.json"))
+    with torch.device("meta"):
+        model = Transformer(args)
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n and not n.startswith("embed."))
+    active = dense + routed * args.num_experts_per_tok / args.n_routed_experts
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a @ a
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    peak = 10 * 2 * 8192 ** 3 / (time.perf_counter() - t)
+    flops_s = statistics.median(6 * active * s["tokens_trained"] / s["train"] for s in rest)
+    return round(flops_s / peak, 4)
 
 
 def run_trl(model_dir, prompts, tok):
@@ -262,7 +291,8 @@ def report():
               f"{m['sync']:.2f}) | {m['samples_s']:.2f} samples/s | {m['tokens_s']:.0f} generated tokens/s")
         first = f"{r['first_step_s']:.0f} s" if r.get("first_step_s") else "-"
         busy = f"{r['gpu_busy']:.0f} %" if r.get("gpu_busy") is not None else "-"
-        print(f"     | first step's line {first} after launch | GPU busy {busy} after the first step")
+        mfu = f" | the train half's MFU {r['mfu']:.1%} (6 x active params x tokens)" if r.get("mfu") else ""
+        print(f"     | first step's line {first} after launch | GPU busy {busy} after the first step{mfu}")
         if "trainer_mem_gb" in r["steps"][0]:  # ours: each process's peak over the steps, tensors (held from the GPU)
             top = {k: max(s.get(k, 0) for s in r["steps"]) for k in r["steps"][0] if k.endswith("mem_gb")
                    or k.endswith("reserved_gb")}
@@ -286,5 +316,5 @@ if __name__ == "__main__":
     tok = load_tokenizer("deepseek-v4")
     model_dir = shared_model(tok.vocab_size)
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # a timeout stops a side as Ctrl-C does, steps kept
-    save(run_ours(model_dir) if cli.side == "ours" else run_trl(model_dir, stream(tok), tok))
+    save(run_ours(model_dir, stream(tok)) if cli.side == "ours" else run_trl(model_dir, stream(tok), tok))
     report()
