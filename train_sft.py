@@ -58,7 +58,7 @@ pp_layers = ''  # e.g. '2,2'; '' = balanced
 n_microbatches = 2  # per DP rank
 recompute = False
 loss_chunk = 1024  # tokens whose head logits exist at once in the loss (chunked_head.py)
-train_graphs = 'auto'  # 'auto': a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py)
+train_graphs = 'off'  # 'auto': a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py)
 dist_timeout = 600
 # data: the math task (tasks.py); the knobs are train_grpo's too, so that both see the same pools
 math_steps = 2  # operations per problem
