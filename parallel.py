@@ -209,8 +209,7 @@ def stage_forward(model, x, ids, recompute=False, replay=None, stats=None, seg=N
         x = model.embed_streams(ids)
     rerun = lambda: (nullcontext(), model.numerics())  # a recomputed layer rounds as its forward did
     for layer, kw in zip(model.layers.values(), model.replay_kwargs(replay or {}, stats)):
-        # recompute: keep only each layer's input, rerun the layer in backward (same routing: deterministic; no RNG
-        # state kept, as no layer draws random numbers, and a CUDA graph capture cannot read it)
+        # recompute: keep only each layer's input, rerun it in backward (same routing; no RNG state: none is drawn)
         kw["seg"] = seg
         x = (checkpoint(layer, x, ids, use_reentrant=False, context_fn=rerun, preserve_rng_state=False, **kw)
              if recompute else layer(x, ids, **kw))
@@ -288,14 +287,12 @@ def send_bwd_recv_fwd(grid, g, shape, dtype):
 # micro-batch carries (advantages, old logprobs, ...).
 
 def stage_loss(model, x, mb, loss_fn, recompute=False):
-    """One micro-batch through this stage and, on the last (the one with the head), its loss, with no host sync (a CUDA
-    graph captures it: graphs.py) -> (the stage's output or the loss, {metric: tensor}, the routers' replay counts or
-    None)."""
+    """One micro-batch through this stage and, on the last (with the head), its loss, with no host sync (graphs.py
+    captures it) -> (the stage's output or the loss, {metric: tensor}, the routers' replay counts or None)."""
     stats = []
     with model.numerics():
         out = stage_forward(model, x, mb["input_ids"], recompute, replayed(mb), stats, mb.get("seg"))
-        # routing replay: (rows whose expert set the router would pick otherwise, rows), summed on the device
-        routing = torch.stack(stats).sum(0) if stats else None
+        routing = torch.stack(stats).sum(0) if stats else None  # replay: (rows the router would send elsewhere, rows)
         if model.head is None:
             return out, {}, routing
         loss = model.head_loss(out, mb, loss_fn)
@@ -304,8 +301,7 @@ def stage_loss(model, x, mb, loss_fn, recompute=False):
 
 
 def add_metrics(metrics, loss, extra, routing):
-    """A micro-batch's figures into the step's: summed over micro-batches (names ending in _max: the max), each loss
-    kept in micro-batch order (it names a non-finite one). loss None: a stage without the head. Reads the device."""
+    """A micro-batch's figures into the step's sums (_max names: the max); the losses in order (loss None: no head)."""
     if routing is not None:
         metrics["routing"] = metrics.get("routing", 0) + routing
     for k, v in extra.items():
@@ -315,7 +311,7 @@ def add_metrics(metrics, loss, extra, routing):
         metrics.setdefault("mb_losses", []).append(loss.item())
 
 
-def _forward(model, grid, x, mb, loss_fn, recompute, metrics):
+def _forward(model, grid, x, mb, loss_fn, recompute, metrics):  # the eager schedules' forward, metrics read at once
     out, extra, routing = stage_loss(model, x, mb, loss_fn, recompute)
     add_metrics(metrics, out if grid.is_last_stage else None, extra, routing)
     return out
@@ -409,8 +405,7 @@ def reduce_grads(model, grid):
 
 def clip_grad_norm(model, grid, max_norm):
     """Global grad norm over every parameter of the model, counted once: experts differ across the EP group, layers
-    across the pipeline; dense copies across dp are identical after reduce_grads. Multi-tensor ops (a launch for many
-    gradients: bench_2b has 2,836 parameters)."""
+    across the pipeline; dense copies across dp are identical after reduce_grads. Multi-tensor ops (2,836 tensors)."""
     grads = {"dense": [], "expert": []}
     for name, p in model.named_parameters():
         if p.grad is not None:
@@ -421,11 +416,9 @@ def clip_grad_norm(model, grid, max_norm):
     norm = all_reduce(total, grid.pp_group, "grad norm over pp").sqrt()
     if max_norm and math.isfinite(norm.item()):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        by_dtype = {}
-        for g in grads["dense"] + grads["expert"]:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for dtype, gs in by_dtype.items():
-            torch._foreach_mul_(gs, coef.to(dtype))
+        every = grads["dense"] + grads["expert"]
+        for dtype in {g.dtype for g in every}:  # a multi-tensor op takes one dtype
+            torch._foreach_mul_([g for g in every if g.dtype == dtype], coef.to(dtype))
     return norm.item()
 
 
@@ -437,7 +430,7 @@ def train_step(model, grid, opt, microbatches, loss_fn, grad_clip=1.0, schedule=
     non-finite loss, as (index, loss). A non-finite loss on any rank or a non-finite gradient norm skips the update on
     every rank."""
     opt.zero_grad()
-    run = schedule if callable(schedule) else one_f_one_b if schedule == "1f1b" else afab  # or graphs.StepGraphs.train
+    run = schedule if callable(schedule) else one_f_one_b if schedule == "1f1b" else afab  # or StepGraphs.train
     metrics = run(model, grid, microbatches, loss_fn, recompute)
     metrics["nonfinite"] = [(i, x) for i, x in enumerate(metrics.pop("mb_losses", [])) if not math.isfinite(x)]
     ids = [t for mb in microbatches for t in replayed(mb).values()]

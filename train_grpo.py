@@ -176,8 +176,8 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
         'train_graphs': ('auto', 'off'),
     }
     positive = ['n_prompts', 'n_samples', 'max_prompt_len', 'max_new_tokens', 'n_microbatches', 'n_minibatches',
-                'loss_chunk', 'dry_run_world', 'rollout_max_batch', 'pp_size', 'ep_size', 'eval_n_samples',
-                'max_sampling_rounds', 'n_rl', 'n_test', 'weight_sync_bucket_mb']  # a zero batch divides by zero, a zero-row server never schedules
+                'loss_chunk', 'dry_run_world', 'rollout_max_batch', 'pp_size', 'ep_size', 'eval_n_samples',  # zero:
+                'max_sampling_rounds', 'n_rl', 'n_test', 'weight_sync_bucket_mb']  # a batch / 0, a server of 0 rows
     at_least_0 = ['max_steps', 'warmup_steps', 'eval_interval', 'checkpoint_interval', 'eval_limit', 'watchdog_s',
                   'overlong_buffer', 'rollout_concurrency']
     for _k, _ok in choices.items():
