@@ -16,6 +16,8 @@ The paths, by mechanism (model_dsv4.KERNEL_PATHS, the names Transformer.set_kern
   experts           the routed experts as grouped GEMMs (torch._grouped_mm); a decode step's few rows in Triton
   routing           a decode step's router top-k and (token, expert) pair order in Triton
   sampling          the engine's sampler in Triton
+  fp8_gemm          train_quant='fp8''s linears as FP8 GEMMs with block scales (dsv4_kernels/fp8.py, Hopper). One
+                    switch for the whole process
 
 The check. A model with one trunk layer for each attention kind of the run's (window, CSA, HCA), at the run's widths
 and in its dtype, with at most 8 experts, a 512-token vocabulary and random weights (check_args). Each path is switched
@@ -24,7 +26,8 @@ prefilled and 4 decode steps through the KV cache that complete a compressed win
 by hash and the indexer keeps every entry, so no near-tie at a top-k cut can pick differently on the two sides.
 gemm_f32 goes first; the others then run with its verdict, as they will in the run. routing and sampling also run alone
 at the run's expert count and vocabulary: the learned router (and the hash table) on 64 tokens, the sampler on 8 rows,
-greedy and sampled.
+greedy and sampled. fp8_gemm runs alone too: quant.fp8_linear's forward and backward on 64 tokens, at the run's
+widths (hidden size in, q_lora_rank out).
 
 Agreement, for each tensor compared: max |fast - gold| <= 2 max |reference - gold| + tol max |gold|, gold being the
 reference computed in fp32 from the same weights and inputs (in an fp32 run, the reference itself); tol is 1e-3 in fp32
@@ -54,18 +57,20 @@ import torch
 
 from dsv4_kernels import has_triton
 import dsv4_kernels.fast
+import dsv4_kernels.fp8
 from dsv4_kernels.decode import sample_triton
 from engine import GREEDY_T, sample_tokens
 from kv_cache import KVCache
 from model_dsv4 import KERNEL_PATHS, Transformer
 from moe import Gate, dispatch
+from quant import fp8_linear
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-1}  # of a tensor's largest value (the module docstring says why)
 STEPS = 4  # decode steps after the prefill
 # what each path changes, so what its check runs: the training step, the decode, and alone the router and the sampler
 PARTS = {"gemm_f32": ("train", "decode"), "attention": ("train", "decode"), "decode_attention": ("decode",),
          "mhc": ("train", "decode"), "experts": ("train", "decode"), "routing": ("decode", "router"),
-         "sampling": ("sampler",)}
+         "sampling": ("sampler",), "fp8_gemm": ("fp8",)}
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -82,7 +87,7 @@ def verdict_key(args, device, dtype):
     src = hashlib.sha256()
     for path in sorted(glob.glob(os.path.join(ROOT, "dsv4_kernels", "*.py"))) + [
             os.path.join(ROOT, f) for f in ("kernel_check.py", "model_dsv4.py", "moe.py", "mhc.py", "kv_cache.py",
-                                            "engine.py")]:
+                                            "engine.py", "quant.py")]:
         src.update(open(path, "rb").read())
     try:
         import triton
@@ -158,13 +163,15 @@ def check(args, device, dtype):
     ids, dy, tokens = ints(V, 2, T), rand(2, T, V), ints(V, STEPS, 2)
     # the first prompt's decode steps pass position 2 span - 1, which completes a window of every ratio (divides 2 span)
     prompts = [ints(V, n).tolist() for n in (2 * span - 2, span // 2 + 3)]
-    x, tok_ids = rand(64, args.hidden_size).to(dtype), ints(args.vocab_size, 64)
+    x, tok_ids, dy_fp8 = rand(64, args.hidden_size).to(dtype), ints(args.vocab_size, 64), rand(64, args.q_lora_rank)
+    dy_fp8 = dy_fp8.to(dtype)
     temp = torch.tensor([0.0, 1.0, 0.7, 1.3] * 2, dtype=torch.float64, device=device)
     logits, draws = rand(8, args.vocab_size) * 4, torch.stack([ints(2 ** 62, 8), ints(5000, 8)], 1)
     runs = {"train": lambda m, on: train_step(m, ids, dy, vectors=dtype == torch.float32),
             "decode": lambda m, on: decode(m, prompts, tokens),
             "router": lambda m, on: router(args, x, tok_ids, "routing" in on),
-            "sampler": lambda m, on: sampler(logits, temp, draws, "sampling" in on)}
+            "sampler": lambda m, on: sampler(logits, temp, draws, "sampling" in on),
+            "fp8": lambda m, on: fp8_gemms(x, dy_fp8, "fp8_gemm" in on)}
 
     def run(m, on, parts):
         m.set_kernels(on)
@@ -176,7 +183,8 @@ def check(args, device, dtype):
         except Exception as e:
             raise RuntimeError(f"kernel check: the reference itself fails on {device}: {e}") from e
 
-    verdicts, gemm, refs, gold, was = {}, (), {}, {}, dsv4_kernels.fast.GEMM_F32
+    verdicts, gemm, refs, gold = {}, (), {}, {}
+    was = dsv4_kernels.fast.GEMM_F32, dsv4_kernels.fp8.FP8_GEMM
     try:
         with torch.compiler.set_stance("force_eager"):
             if dtype != torch.float32:  # the reference in fp32 from the same weights: how far the reference is off
@@ -201,7 +209,8 @@ def check(args, device, dtype):
                 if path == "gemm_f32" and verdicts[path] is None:
                     gemm = ("gemm_f32",)
     finally:
-        dsv4_kernels.fast.use_gemm_f32(was)
+        dsv4_kernels.fast.use_gemm_f32(was[0])
+        dsv4_kernels.fp8.use_fp8_gemm(was[1])
     return verdicts
 
 
@@ -291,6 +300,18 @@ def sampler(logits, temp, draws, fast):
         params = torch.stack([temp, torch.ones_like(temp), torch.full_like(temp, logits.shape[1])], 1)
         chosen = sample_tokens(logits, params, draws, False)
     return {"picks sampler": chosen[0], "sampler logprobs": chosen[1]}
+
+
+def fp8_gemms(x, dy, fast):
+    """FP8 training's linear alone (quant.fp8_linear), x [N, D] times a weight [dy's width, D] drawn here, forward and
+    backward, FP8 GEMMs on or off: {name: tensor}."""
+    dsv4_kernels.fp8.use_fp8_gemm(fast)
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(dy.shape[1], x.shape[1], generator=g) / x.shape[1] ** 0.5).to(x).requires_grad_()
+    xg = x.detach().requires_grad_()
+    y = fp8_linear(xg, w)
+    (y * dy).sum().backward()
+    return {"fp8 linear": y.detach(), "fp8 linear dgrad": xg.grad, "fp8 linear wgrad": w.grad}
 
 
 def disagreement(got, ref, gold, tol):

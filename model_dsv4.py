@@ -27,12 +27,13 @@ import torch.nn.functional as F
 from chunked_head import token_stats
 from dsv4_kernels import has_triton
 from dsv4_kernels.decode import q_norm_rope_triton
+from dsv4_kernels.fp8 import use_fp8_gemm
 from dsv4_kernels.fast import fuse_projections, linear_f32, matmul_f32, stack_experts, use_gemm_f32, window_attention
 from dsv4_kernels.invariant import PathInvariant
 from dsv4_kernels.mhc_triton import HC_PRE_TOKENS, hc_post_triton, hc_pre_triton
 from mhc import hc_head, hc_mixes, hc_split_sinkhorn
 from moe import MoE
-from quant import FP8Linear, index_quant_sim, kv_quant_sim
+from quant import FP8Linear, index_quant_sim, kv_quant_sim, weight_round_sim
 
 # -----------------------------------------------------------------------------
 # config
@@ -476,7 +477,8 @@ class Attention(nn.Module):
         B, T = o.shape[:2]
         o = apply_rope(o, cos.unsqueeze(-2), -sin.unsqueeze(-2)) if rotated else o
         g = self.args.o_groups
-        wo_a = self.wo_a.weight.view(g, self.args.o_lora_rank, -1)  # [g, o_rank, H*d/g]
+        wo_a = weight_round_sim(self.wo_a.weight) if self.wo_b.fp8_train else self.wo_a.weight  # FP8 stored, bf16 used
+        wo_a = wo_a.view(g, self.args.o_lora_rank, -1)  # [g, o_rank, H*d/g]
         u = torch.einsum("btgi,goi->btgo", o.reshape(B, T, g, -1), wo_a)
         return self.wo_b(u.flatten(2))
 
@@ -595,8 +597,9 @@ class MTPBlock(Block):
 FP32_NAMES = ("hc_", "attn_sink", "ape", "norm.weight", "gate.bias")  # tensors kept in fp32 whatever the dtype
 
 
-# set_kernels' names, one a fast path (kernel_check.py); gemm_f32 is the process's (dsv4_kernels.fast.GEMM_F32)
-KERNEL_PATHS = ("gemm_f32", "attention", "decode_attention", "mhc", "experts", "routing", "sampling")
+# set_kernels' names, one a fast path (kernel_check.py); gemm_f32 and fp8_gemm are the whole process's switches
+# (dsv4_kernels.fast.GEMM_F32, dsv4_kernels.fp8.FP8_GEMM)
+KERNEL_PATHS = ("gemm_f32", "attention", "decode_attention", "mhc", "experts", "routing", "sampling", "fp8_gemm")
 
 
 class Transformer(nn.Module):
@@ -659,10 +662,18 @@ class Transformer(nn.Module):
             m.fp8_emu = on
         return self
 
+    def set_fp8_training(self, on=True):
+        """train_quant='fp8': the FP8 engine's forward (set_fp8_emulation), with every FP8-stored weight rounded as
+        weight_sync sends it, on the fly from the full-precision one, and FP8 dgrads (quant.py's FP8 training)."""
+        self.set_fp8_emulation(on)
+        for m in (m for m in self.modules() if isinstance(m, FP8Linear)):
+            m.fp8_train = on
+        return self
+
     def set_kernels(self, fast=True):
         """The fast paths of dsv4_kernels/ or the plain reference beside each call: True all, False none (both leave
-        the process-wide gemm_f32 as it is), or a collection of KERNEL_PATHS names, those on and the others off,
-        gemm_f32 included. kernel_check.py says what each name takes, and chooses them for kernels='auto'."""
+        the process-wide gemm_f32 and fp8_gemm as they are), or a collection of KERNEL_PATHS names, those on and the
+        others off, gemm_f32 and fp8_gemm included. kernel_check.py says what each takes, and chooses for 'auto'."""
         on = set(KERNEL_PATHS) if fast is True else set() if fast is False else set(fast)
         if on - set(KERNEL_PATHS):
             raise ValueError(f"unknown kernel path(s) {sorted(on - set(KERNEL_PATHS))}: the paths are "
@@ -676,6 +687,7 @@ class Transformer(nn.Module):
                     setattr(m, flag, path in on)
         if not isinstance(fast, bool):
             use_gemm_f32("gemm_f32" in on)
+            use_fp8_gemm("fp8_gemm" in on)
         return self
 
     def stack_experts(self):

@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from dsv4_kernels import has_triton
 from dsv4_kernels.fast import grouped_experts, linear_f32
 from dsv4_kernels.route import pair_order_triton, route_triton, sort_pairs_triton
-from quant import FP8Linear
+from quant import FP8Linear, act_quant_sim, fp8_grouped_mm
+
+
+def grouped_mm_fp8_emu(rows, w, offs, parts=1):
+    """The FP8 engine's routed experts (fp8_emu): FP8 activations into the grouped GEMM, the weights as the server
+    holds them (dequantized FP8, exact), as Expert's FP8Linears compute them one expert at a time."""
+    return torch._grouped_mm(act_quant_sim(rows), w.transpose(1, 2), offs=offs)
 
 
 class Gate(nn.Module):
@@ -240,18 +246,20 @@ class MoE(nn.Module):
         """Each local expert on its contiguous slice of rows. xs: [R, D], ws: [R] -> ([R, D], None), or with x [N, D]
         (this rank's tokens) the shared expert's output [N, D] in place of None where the fast path computed it with
         the routed experts (a decode step's kernels: one weight-bound pass for all)."""
-        # grouped GEMM: bf16 on CUDA (any dtype on the CPU); FP8 emulation has its sims in Expert only
-        if self.fast and (xs.dtype == torch.bfloat16 or not xs.is_cuda) and not self.shared_experts.w1.fp8_emu:
+        # grouped GEMM: bf16 on CUDA (any dtype on the CPU), with the experts' FP8 numerics where they are on
+        if self.fast and (xs.dtype == torch.bfloat16 or not xs.is_cuda):
             counts = counts if torch.is_tensor(counts) else torch.tensor(counts, device=xs.device)
-            shared = None if x is None or self.shared_experts.w1.weight.dtype != xs.dtype else (x, self.shared_experts)
+            w1 = self.shared_experts.w1
+            gemm = fp8_grouped_mm if w1.fp8_train else grouped_mm_fp8_emu if w1.fp8_emu else None
+            shared = None if x is None or w1.weight.dtype != xs.dtype or gemm else (x, self.shared_experts)
             out = grouped_experts(list(self.experts.values()), xs, ws, counts, self.args.swiglu_limit, self.stacked,
-                                  shared, decode)
+                                  shared, decode, gemm)
             return out if shared is not None else (out, None)
         return self.loop_experts(xs, ws, counts), None
 
     @torch.compiler.disable  # row counts read on the host: data-dependent sizes, which run eagerly under compile
     def loop_experts(self, xs, ws, counts):
-        """The reference path: a loop over the local experts (fp32 on a GPU, FP8 emulation, kernels off)."""
+        """The reference path: a loop over the local experts (fp32 on a GPU, kernels off)."""
         out, start = [], 0
         counts = counts.tolist() if torch.is_tensor(counts) else counts
         for expert, c in zip(self.experts.values(), counts):

@@ -3,7 +3,10 @@
     two per byte with one e8m0 scale per 32 inputs of a row;
   * quantized serving (rollout_quant): which tensors are quantized, and what travels for them (weight_sync.py sends
     it, server.py serves from it);
-  * QAT simulations in the forward pass: quantize then dequantize activations along the last dim.
+  * QAT simulations in the forward pass: quantize then dequantize activations along the last dim (the FP8 engine's
+    numerics: set_fp8_emulation, and server.py's W8A8 under --quant);
+  * FP8 training (train_quant='fp8'): the FP8 linears' forward and dgrad in FP8 from the full-precision weights, as
+    FP8 GEMMs on a Hopper GPU (dsv4_kernels/fp8.py), else the same numbers through this file's reference.
 
 Scales are powers of two stored as e8m0 (byte b means 2^(b-127), b=255 is NaN). We compute the exponent ourselves:
 torch's float -> float8_e8m0fnu cast rounds to the nearest power of two (1.25 -> 1), but the reference wants
@@ -13,6 +16,8 @@ import re
 
 import torch
 import torch.nn.functional as F
+
+import dsv4_kernels.fp8 as fp8_kernels
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP4_MAX = 6.0    # largest e2m1 value
@@ -53,31 +58,32 @@ def _pad_to(x, dim, mult):
 
 
 def fp8_block_quantize(w, block=128, scale_fmt="ue8m0"):
-    """w [out, in] -> (float8_e4m3fn [out, in], scale [ceil(out/block), ceil(in/block)]). scale_fmt "ue8m0": the scale
-    is 2^ceil(log2(amax/448)) as float8_e8m0fnu (checkpoint format); "fp32": amax/448 as float32."""
-    assert w.dim() == 2, f"expected a 2-D weight, got shape {tuple(w.shape)}"
+    """w [..., out, in] -> (float8_e4m3fn [..., out, in], scale [..., ceil(out/block), ceil(in/block)]): each matrix
+    of a stack (the experts') by its own blocks. scale_fmt "ue8m0": the scale is 2^ceil(log2(amax/448)) as
+    float8_e8m0fnu (checkpoint format); "fp32": amax/448 as float32."""
+    assert w.dim() >= 2, f"expected a weight of 2 or more dims, got shape {tuple(w.shape)}"
     assert scale_fmt in ("ue8m0", "fp32"), scale_fmt
-    out_f, in_f = w.shape
-    wf = _pad_to(_pad_to(w.float(), 0, block), 1, block)
-    R, C = wf.shape[0] // block, wf.shape[1] // block
-    blocks = wf.view(R, block, C, block)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=FP8_AMAX_MIN)  # [R, C]
+    *lead, out_f, in_f = w.shape
+    wf = _pad_to(_pad_to(w.float(), -2, block), -1, block)
+    R, C = wf.shape[-2] // block, wf.shape[-1] // block
+    blocks = wf.view(*lead, R, block, C, block)
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=FP8_AMAX_MIN)  # [..., R, C]
     if scale_fmt == "ue8m0":
         byte = _pow2_ceil_byte(amax / FP8_MAX)
         s, scale = e8m0_to_float(byte), byte.view(torch.float8_e8m0fnu)
     else:
         s = scale = amax / FP8_MAX
-    q = (blocks / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # to nearest, ties to even
-    return q.view(R * block, C * block)[:out_f, :in_f].contiguous(), scale
+    q = (blocks / s[..., None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # to nearest, ties to even
+    return q.view(*lead, R * block, C * block)[..., :out_f, :in_f].contiguous(), scale
 
 
 def fp8_block_dequantize(w_e4m3, scale, dtype=torch.float32, block=128):
-    """Inverse of fp8_block_quantize: W[o, i] = fp8[o, i] * scale[o // block, i // block]."""
-    out_f, in_f = w_e4m3.shape
+    """Inverse of fp8_block_quantize: W[..., o, i] = fp8[..., o, i] * scale[..., o // block, i // block]."""
+    out_f, in_f = w_e4m3.shape[-2:]
     s = e8m0_to_float(scale)
-    assert s.shape == (-(-out_f // block), -(-in_f // block)), \
+    assert s.shape[-2:] == (-(-out_f // block), -(-in_f // block)), \
         f"scale shape {tuple(s.shape)} does not match weight {out_f}x{in_f} with block {block}"
-    s = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_f, :in_f]
+    s = s.repeat_interleave(block, -2).repeat_interleave(block, -1)[..., :out_f, :in_f]
     return (w_e4m3.float() * s).to(dtype)
 
 
@@ -124,15 +130,33 @@ def fp4_dequantize(packed_int8, scale_e8m0, dtype=torch.float32):
     return w.to(dtype)
 
 
-def _fake_quant(x, block, qmax, amax_min, round_):
-    """Quantize-dequantize x with one power-of-two scale per `block` elements of the last dim (zero-padded to a
-    multiple of it), rounding with round_. Same dtype out as in; the math runs in float32."""
-    n = x.shape[-1]
+def _scaled_blocks(x, block, qmax, amax_min):
+    """x [..., K] in float32, zero-padded to whole blocks, as [..., K/block, block], and each block's power-of-two
+    scale [..., K/block, 1]: 2^ceil(log2(amax / qmax)), so that no |x| / scale exceeds qmax."""
     xf = _pad_to(x.float(), -1, block)
     xb = xf.view(*xf.shape[:-1], xf.shape[-1] // block, block)
     amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=amax_min)
-    s = e8m0_to_float(_pow2_ceil_byte(amax / qmax))
-    return (round_((xb / s).clamp(-qmax, qmax)) * s).flatten(-2)[..., :n].to(x.dtype)
+    return xb, e8m0_to_float(_pow2_ceil_byte(amax / qmax))
+
+
+def _fake_quant(x, block, qmax, amax_min, round_):
+    """Quantize-dequantize x with one power-of-two scale per `block` elements of the last dim (zero-padded to a
+    multiple of it), rounding with round_. Same dtype out as in; the math runs in float32."""
+    xb, s = _scaled_blocks(x, block, qmax, amax_min)
+    return (round_((xb / s).clamp(-qmax, qmax)) * s).flatten(-2)[..., :x.shape[-1]].to(x.dtype)
+
+
+def act_quant(x, block=128):
+    """FP8 activations as an FP8 GEMM takes them: x [..., K] -> (e4m3 [..., K], float32 scales [..., ceil(K/block)]),
+    one power-of-two scale per row per `block` inputs (spec §2.7: UE8M0, as V4's reference and the checkpoint's
+    scale_fmt). q * scale is fake_quant_fp8(x)."""
+    xb, s = _scaled_blocks(x, block, FP8_MAX, FP8_AMAX_MIN)
+    return (xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(-2)[..., :x.shape[-1]], s[..., 0]
+
+
+def act_dequant(q, scale, dtype, block=128):
+    """Inverse of act_quant, in dtype (exact in bf16 and fp32: a 4-bit significand times a power of two)."""
+    return (q.float() * scale.repeat_interleave(block, -1)[..., :q.shape[-1]]).to(dtype)
 
 
 def fake_quant_fp8(x, block=128):
@@ -172,12 +196,98 @@ def index_quant_sim(x):
     return straight_through(x, fake_quant_fp4(x, 32))
 
 
+def fp8_round(w, parts=1, dtype=None):
+    """w [..., N, K] rounded as the engine gets it (weight_sync: quantize_tensor), FP8 by 128 x 128 blocks, in dtype
+    (w's by default; exact). parts: w's rows are that many matrices stacked, each quantized on its own (w1 and w3)."""
+    q, scale = fp8_block_quantize(w.unflatten(-2, (parts, -1)))
+    return fp8_block_dequantize(q, scale, dtype or w.dtype).flatten(-3, -2)
+
+
+def weight_round_sim(w):
+    """An FP8-stored weight multiplied without FP8 activations (wo_a, spec §2.7), rounded as the engine holds it:
+    straight-through, so the full-precision weight learns."""
+    return straight_through(w, fp8_round(w))
+
+
+# -----------------------------------------------------------------------------
+# FP8 training (train_quant='fp8'): the FP8 linears compute what the FP8 engine computes, with DeepSeek-V3's recipe
+# for the backward (arXiv 2412.19437 §3.3). Forward: x in FP8 per row per 128 inputs (act_quant) times the weight
+# rounded by 128 x 128 blocks (fp8_round: what weight_sync sends). dgrad: dy in FP8 per row per 128 times the same
+# FP8 weight. wgrad: dy times the forward's FP8 x, in dy's dtype. The gradient reaches the weight as if unrounded
+# (straight-through), and AdamW's fp32 master takes it. Saved for the backward: x in FP8 (a byte an element) and
+# the weight itself, rounded again there rather than kept as a second copy.
+
+def fp8_mm(a, a_scale, b, b_scale, dtype):
+    """a [..., K] e4m3 with a scale per row per 128 inputs (act_quant), b [N, K] e4m3 with one e8m0 scale per
+    128 x 128 block -> a @ b.T [..., N] in dtype: an FP8 GEMM's numerics, exact products summed in fp32. One FP8 GEMM
+    where dsv4_kernels.fp8 runs these operands (a Hopper GPU, kernel path fp8_gemm); else the reference: both
+    dequantized to dtype (exact) and multiplied."""
+    a2, s2 = a.reshape(-1, a.shape[-1]), a_scale.reshape(-1, a_scale.shape[-1])
+    if fp8_kernels.usable(a2, b):
+        y = fp8_kernels.blockwise_mm(a2, s2, b, e8m0_to_float(b_scale), dtype)
+    else:
+        y = F.linear(act_dequant(a2, s2, dtype), fp8_block_dequantize(b, b_scale, dtype))
+    return y.view(*a.shape[:-1], b.shape[0])
+
+
+class FP8Matmul(torch.autograd.Function):
+    """x [..., K] @ w.T (w [N, K]) in FP8, forward and dgrad (the section's comment says how)."""
+    @staticmethod
+    def forward(ctx, x, w):
+        xq, xs = act_quant(x)
+        ctx.save_for_backward(xq, xs, w)
+        return fp8_mm(xq, xs, *fp8_block_quantize(w), x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, xs, w = ctx.saved_tensors
+        wq, ws = fp8_block_quantize(w)
+        dx = fp8_mm(*act_quant(dy), wq.mT, ws.mT, dy.dtype)
+        dw = dy.reshape(-1, dy.shape[-1]).mT @ act_dequant(xq, xs, dy.dtype).reshape(-1, xq.shape[-1])
+        return dx, dw.to(w.dtype)
+
+
+class FP8GroupedMatmul(torch.autograd.Function):
+    """The routed experts' FP8Matmul: rows x [R, K] grouped by expert (offs [e]: each group's end row) times their
+    expert's w [e, N, K] .T, w's rows `parts` matrices each rounded on its own. Torch has no grouped GEMM with block
+    scales (its FP8 grouped GEMM scales whole rows), so the FP8 operands are dequantized, exactly, and multiplied by
+    the bf16 grouped GEMM: the FP8 GEMM's numerics, a bf16 GEMM's speed."""
+    @staticmethod
+    def forward(ctx, x, w, offs, parts):
+        xq, xs = act_quant(x)
+        ctx.save_for_backward(xq, xs, w, offs)
+        ctx.parts = parts
+        return torch._grouped_mm(act_dequant(xq, xs, x.dtype), fp8_round(w, parts).mT, offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, xs, w, offs = ctx.saved_tensors
+        dx = torch._grouped_mm(fake_quant_fp8(dy), fp8_round(w, ctx.parts, dy.dtype), offs=offs)
+        # wgrad: each group's dy.T @ x, grouped along the rows; rows padded to a multiple of 16 (the GEMM wants
+        # strides of whole 16 bytes), the padding past the last group's end
+        pad = (0, 0, 0, -dy.shape[0] % 16)
+        dw = torch._grouped_mm(F.pad(dy, pad).mT.contiguous(), F.pad(act_dequant(xq, xs, dy.dtype), pad), offs=offs)
+        return dx, dw.to(w.dtype), None, None
+
+
+def fp8_linear(x, w):
+    return FP8Matmul.apply(x, w)
+
+
+def fp8_grouped_mm(x, w, offs, parts=1):
+    return FP8GroupedMatmul.apply(x, w, offs, parts)
+
+
 class FP8Linear(torch.nn.Linear):
-    """nn.Linear whose weight is FP8 (or FP4) in the checkpoint. With fp8_emu on, its input goes through act_quant_sim
-    first; the weight is used as stored (dequantizing FP8 to bf16 is exact, spec §2.7). Off, it is nn.Linear."""
+    """nn.Linear whose weight is FP8 (or FP4) in the checkpoint. fp8_emu (serving, compare_logprobs): its input goes
+    through act_quant_sim first, the weight used as stored (the server holds it dequantized from FP8: exact, spec
+    §2.7). fp8_train (train_quant='fp8'): fp8_linear, the weight rounded as the engine holds it. Off, nn.Linear."""
     fp8_emu = False
+    fp8_train = False
 
     def forward(self, x):
+        if self.fp8_train:
+            return fp8_linear(x, self.weight)
         return F.linear(act_quant_sim(x) if self.fp8_emu else x, self.weight, self.bias)
 
 

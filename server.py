@@ -397,7 +397,9 @@ def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None
           compile="off", load_format="auto"):
     """Serve a model_dsv4.Transformer, or a checkpoint directory loaded with from_pretrained. Returns the
     HTTPServer (its .url, .close()), serving from a thread of its own, or not yet with background=False.
-    fp8_emu: FP8 activations, KV and indexer FP4 as the reference computes them (model.set_fp8_emulation). invariant:
+    quant 'fp8' / 'fp8_fp4' serves as SGLang serves a block-FP8 checkpoint, W8A8: the weights FP8 (FP4), every
+    FP8 linear's input FP8 per token per 128, and V4's KV and indexer rounding (model.set_fp8_emulation).
+    fp8_emu: the same activation numerics on unquantized weights. invariant:
     path-invariant numerics on this side (model.set_invariant: every sum in fp64). record: replay.py's to keep."""
     path = model if isinstance(model, str) else ""
     if path:
@@ -405,7 +407,7 @@ def start(model, host="127.0.0.1", port=30000, dtype=torch.bfloat16, device=None
         model = from_pretrained(path, device=device, dtype=dtype, weights=load_format != "dummy")
     kernels = choose_kernels(kernels, model.args, next(model.parameters()).device, model.dtype)  # kernel_check.py
     model.set_kernels(kernels).set_invariant(invariant)  # invariant: every sum in fp64, and the reference kernels
-    if fp8_emu:
+    if fp8_emu or quant != "none":
         model.set_fp8_emulation(True)
     httpd = HTTPServer((host, port), Handler)
     httpd.app = app = Server(model, path, api_key, max_batch, max_len, quant, record)
@@ -473,7 +475,9 @@ def serve(args):
     if args.parent_pid:  # an embedded server outliving its trainer would hold the port and the memory
         threading.Thread(target=exit_with, args=(args.parent_pid,), daemon=True, name="parent-watch").start()
     what = f"model {os.path.abspath(args.model)}, {args.dtype}, quant {args.quant}"
-    if args.fp8_emu:
+    if args.quant != "none":
+        what += " (w8a8: fp8 activations)"
+    elif args.fp8_emu:
         what += " + fp8 emulation"
     if args.invariant:
         what += ", invariant"
@@ -504,9 +508,9 @@ if __name__ == "__main__":
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights from "
                    "--model's config.json alone, until the first weight update (a trainer's first sync)")
     p.add_argument("--quant", default="none", choices=["none", "fp8", "fp8_fp4"],
-                   help="serve from the official FP8 (and FP4 routed experts) tensors")
+                   help="serve from the official FP8 (and FP4 routed experts) tensors, W8A8 as SGLang does")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
-    p.add_argument("--fp8-emu", action="store_true", help="FP8 activations, KV and indexer FP4 (set_fp8_emulation)")
+    p.add_argument("--fp8-emu", action="store_true", help="--quant's activation numerics on unquantized weights")
     p.add_argument("--invariant", action="store_true", help="path-invariant numerics (compare_logprobs --invariant)")
     p.add_argument("--kernels", default="auto", help="auto | fast | reference | path names, comma-separated: the fast "
                    "paths to take (kernel_check.py; auto checks them on this GPU)")

@@ -94,7 +94,8 @@ weight_sync = 'disk'  # 'disk' | 'distributed' | 'tensor' (servers on this machi
 weight_sync_bucket_mb = 512  # distributed, tensor: bytes per bucket, the most one rank gathers at a time
 weight_sync_flatten = True  # distributed, tensor: a bucket as one tensor of its bytes (SGLang's 'flattened_bucket')
 weight_sync_verify = False  # after each sync, check every tensor's first rows on every server against what was sent
-rollout_quant = 'none'  # 'none' | 'fp8' | 'fp8_fp4': what the rollout engine serves
+rollout_quant = 'none'  # 'none' | 'fp8' | 'fp8_fp4': what the rollout engine serves (FP8: W8A8, as SGLang)
+train_quant = 'none'  # 'fp8': the FP8-stored linears train in FP8 as the FP8 engine computes them (quant.py)
 rollout_max_batch = 512  # sequences a server decodes at once: an over-sampled step in one batch, an eval in four
 rollout_concurrency = 0  # /generate requests in flight a server (0: max(256, rollout_max_batch)); fewer decode in waves
 # data and sampling
@@ -168,12 +169,11 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
         'trainable': ('all', 'io'),
         'loss_agg': ('seq_mean_token_mean', 'token_mean'),
         'weight_sync': ('disk', 'distributed', 'tensor'),
-        'rollout_quant': ('none', 'fp8', 'fp8_fp4'),
+        'rollout_quant': ('none', 'fp8', 'fp8_fp4'), 'train_quant': ('none', 'fp8'),
         'lr_schedule': ('constant', 'cosine'),
         'kernels': ('auto', 'fast', 'reference'),
         'compile': ('off', 'layers'),
-        'rollout_compile': ('off', 'layers'),
-        'train_graphs': ('auto', 'off'),
+        'rollout_compile': ('off', 'layers'), 'train_graphs': ('auto', 'off'),
     }
     positive = ['n_prompts', 'n_samples', 'max_prompt_len', 'max_new_tokens', 'n_microbatches', 'n_minibatches',
                 'loss_chunk', 'dry_run_world', 'rollout_max_batch', 'pp_size', 'ep_size', 'eval_n_samples',  # zero:
@@ -278,7 +278,7 @@ if model_dir:
     checkpoint.load_weights(model, model_dir, strict=False, device=grid.device)
 kernel_cache = os.path.join(compile_cache, 'kernel_check.json')
 kernel_paths = choose_kernels(kernels, args, grid.device, ptype, print0, kernel_cache)
-model.set_kernels(kernel_paths).set_invariant(invariant)
+model.set_kernels(kernel_paths).set_invariant(invariant).set_fp8_training(train_quant == 'fp8')
 model.loss_chunk, model.temperature = loss_chunk, temperature  # the loss's logprobs are the rollouts' (engine.py)
 if cache := compile_policy.use_compile(compile, compile_cache):
     compile_policy.compile_model(model)  # its blocks, head and head + loss: the loss below is traced into it

@@ -9,6 +9,7 @@ through its one switch, `Transformer.set_kernels`, and keeps its plain path next
   route.py             the router's top-k and the (token, expert) pair order of a decode step
   decode.py            a decode step's experts, compressor step, window key, query norm + RoPE, sampler
   decode_attention.py  a decode step's sink attention over the cached keys
+  fp8.py               FP8 GEMMs with DeepSeek's block scales (torch's scaled_mm on Hopper), for FP8 training
   invariant.py         the exact, slow numerics of compare_logprobs --invariant (every sum in fp64)
 
 Each Triton kernel is a torch.library custom op, so torch.compile keeps it as it is and a CUDA graph records it.

@@ -271,7 +271,7 @@ def fused_projections(module, x):
     return {n: o if n in module.FP32 else o.to(x.dtype) for n, o in zip(names, outs)}
 
 
-def grouped_experts(experts, xs, ws, counts, limit, stacked=None, shared=None, decode=False):
+def grouped_experts(experts, xs, ws, counts, limit, stacked=None, shared=None, decode=False, gemm=None):
     """xs [R, D] rows sorted by local expert, ws [R] fp32 routing weights, counts [e] rows per expert (a tensor:
     no host sync) -> [R, D]. Same math as Expert.forward: clamped SwiGLU, routing weight before w2.
     decode: the rows are a decode step's (one token a sequence), which the Triton kernels take when they are few an
@@ -280,23 +280,27 @@ def grouped_experts(experts, xs, ws, counts, limit, stacked=None, shared=None, d
     The weights: `stacked` (stack_experts_) while the parameters are still its views (a deepcopy or a dtype cast
     breaks that), read in place; else stacked here (the checkpoint keeps a tensor per expert).
     shared: (x [N, D], the shared Expert) -> (the routed rows' [R, D], the shared expert's output [N, D] where the
-    decode kernels took it in as one more expert, else None: the caller runs it)."""
+    decode kernels took it in as one more expert, else None: the caller runs it).
+    gemm(rows, w [e, N, K], offs, parts) -> rows @ w.T by groups, in place of torch._grouped_mm: the caller's FP8
+    numerics (moe.py; w13's rows are 2 parts, w1 and w3). The decode kernels have none: a gemm passes them by."""
     # under torch.compile the caller vouches for `stacked` (Transformer.stack_experts checks it before each forward)
     if stacked is None or not (torch.compiler.is_compiling() or is_stacked(experts, stacked)):
         stacked = stack(experts)
     w13, w2 = stacked
     offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
-    if decode and has_triton(xs) and not torch.is_grad_enabled() and xs.shape[0] <= EXPERT_ROWS * len(experts):
+    if (gemm is None and decode and has_triton(xs) and not torch.is_grad_enabled()
+            and xs.shape[0] <= EXPERT_ROWS * len(experts)):
         if shared is None:
             return experts_triton(xs, ws, offs, w13, w2, float(limit or 0))
         x, e = shared  # the shared expert as one more expert of the kernels (its SwiGLU clamp is the routed ones')
         ys = experts_triton(xs, ws, offs, w13, w2, float(limit or 0), x, e.w1.weight, e.w3.weight, e.w2.weight)
         return ys[:xs.shape[0]], ys[xs.shape[0]:]
-    g, u = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
+    gemm = gemm or (lambda rows, w, offs, parts: torch._grouped_mm(rows, w.transpose(1, 2), offs=offs))
+    g, u = gemm(xs, w13, offs, 2).float().chunk(2, dim=-1)
     if limit:
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)
     h = (F.silu(g) * u * ws[:, None]).to(xs.dtype)
-    ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    ys = gemm(h, w2, offs, 1)
     return ys if shared is None else (ys, None)
 
 

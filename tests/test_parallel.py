@@ -43,8 +43,8 @@ def launch(out_dir, pp, ep, variants, env=None, n=4, timeout=240):
 
 @pytest.fixture(scope="module")
 def reference():
-    """The one-process run: world size 1 goes through the same functions, with no process group."""
-    return parallel_run.run(parallel.init_distributed(), n_micro=1, schedule="1f1b")
+    """The one-process run: world size 1 goes through the same functions, with no process group. [plain, fp8]"""
+    return [parallel_run.run(parallel.init_distributed(), n_micro=1, schedule="1f1b", fp8=fp8) for fp8 in (False, True)]
 
 
 def merged(out_dir, variant):
@@ -59,12 +59,12 @@ def merged(out_dir, variant):
     return losses, state
 
 
-LAYOUTS = {  # (pp, ep) on 4 ranks -> the variants run there
-    "pp4": (4, 1, "1:1f1b,4:1f1b,4:afab,4:1f1b:recompute:offload"),
-    "pp2-dp2": (2, 1, "1:1f1b,4:1f1b,4:afab"),
-    "dp4-ep4": (1, 4, "1:1f1b,4:1f1b,4:1f1b:recompute"),
-    "dp4-ep2": (1, 2, "1:1f1b,4:1f1b"),
-    "pp2-dp2-ep2": (2, 2, "1:1f1b,4:1f1b,4:afab,4:afab:recompute:offload"),
+LAYOUTS = {  # (pp, ep) on 4 ranks -> the variants run there (fp8: train_quant='fp8', held to its own one process)
+    "pp4": (4, 1, "1:1f1b,4:1f1b,4:afab,4:1f1b:recompute:offload,4:1f1b:fp8"),
+    "pp2-dp2": (2, 1, "1:1f1b,4:1f1b,4:afab,4:afab:fp8"),
+    "dp4-ep4": (1, 4, "1:1f1b,4:1f1b,4:1f1b:recompute,4:1f1b:recompute:fp8"),
+    "dp4-ep2": (1, 2, "1:1f1b,4:1f1b,4:1f1b:fp8"),
+    "pp2-dp2-ep2": (2, 2, "1:1f1b,4:1f1b,4:afab,4:afab:recompute:offload,4:1f1b:fp8"),
 }
 
 
@@ -92,18 +92,26 @@ def test_layout_equals_one_process(layout, reference, launched):
     variants = LAYOUTS[layout][2]
     out, codes, outs = launched(layout)
     assert codes == [0] * 4, "\n".join(outs)
-    ref_losses, ref_state = reference
     runs = {v: merged(out, v) for v in variants.split(",")}
+    assert reference[0][0] != reference[1][0]  # FP8 training does train otherwise
     for v, (losses, state) in runs.items():
+        ref_losses, ref_state = reference["fp8" in v]
         assert set(state) == set(ref_state), f"{v}: tensors missing or extra: {set(ref_state) ^ set(state)}"
-        for (loss, gnorm), (ref_loss, ref_gnorm) in zip(losses, ref_losses):
-            assert abs(loss - ref_loss) <= 1e-5 and abs(gnorm - ref_gnorm) <= 1e-5 * ref_gnorm, (v, losses, ref_losses)
-        diff = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
-        assert diff <= PARAM_TOL, f"{layout} {v}: parameters differ from one process by {diff:.2e}"
+        # FP8: the first step as tight; after it, weights that differ in the 7th digit (sums in another order) can
+        # round to neighbouring FP8 values, and activations too: a step's grad norm moves by ~2e-4 of itself
+        for i, ((loss, gnorm), (ref_loss, ref_gnorm)) in enumerate(zip(losses, ref_losses)):
+            rel = 1e-5 if i == 0 or "fp8" not in v else 1e-3
+            assert abs(loss - ref_loss) <= 1e-5 and abs(gnorm - ref_gnorm) <= rel * ref_gnorm, (v, losses, ref_losses)
+        diffs = torch.cat([(state[k] - ref_state[k]).abs().flatten() for k in ref_state])
+        # FP8 on 4 DP ranks (a gradient sum in another order): 7e-4 of the weights, whose step moved with such a
+        # flip; a wrong layout moves most of them
+        off = (diffs > PARAM_TOL).float().mean().item()
+        assert off <= (1e-2 if "fp8" in v else 0), f"{layout} {v}: {off:.1e} of the parameters differ from one " \
+            f"process by more than {PARAM_TOL}, up to {diffs.max():.2e}"
     # 1F1B and all-forward-all-backward, recompute and offload: the same numbers within rounding
     base = runs["4:1f1b"][1]
     for v, (_, state) in runs.items():
-        if v.startswith("4:"):
+        if v.startswith("4:") and "fp8" not in v:
             assert max((state[k] - base[k]).abs().max().item() for k in base) <= 1e-6, v
 
 

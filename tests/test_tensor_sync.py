@@ -87,7 +87,7 @@ def test_fp8_serving_via_tensor(ckpt, tmp_path):
         ref = copy.deepcopy(model)  # the trainer's weights through the spec's dequantisation
         ref.load_state_dict({n: spec_dequant(*quantize_tensor(n, t, "fp8").values()) if quant_format(n, "fp8") else t
                              for n, t in ref.state_dict().items()})
-        assert logprob_diff(url, ref, "t-q") <= 1e-5
+        assert logprob_diff(url, ref.set_fp8_emulation(True), "t-q") <= 1e-5  # W8A8
         for n, t in model.state_dict().items():  # what the server stores is quant.py's output, whole
             for name, q in quantize_tensor(n, t, "fp8").items() if quant_format(n, "fp8") else ():
                 assert torch.equal(served(url, name), as_sent(q)), name

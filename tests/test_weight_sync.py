@@ -142,13 +142,16 @@ def test_quantized_serving(quant_server, tmp_path):
     for mode in ("distributed", "disk"):
         wsync.sync(model, GRID, client, ARGS, tmp_path / "w", mode=mode, version=f"{mode}-q", quant=quant,
                    bucket_mb=0.25, verify=True)  # verify: the first rows of every tensor, as sent
-        ref = copy.deepcopy(model)  # the trainer's weights through the spec's dequantisation
+        ref = copy.deepcopy(model)  # the trainer's weights through the spec's dequantisation, FP8 activations: W8A8
         ref.load_state_dict({n: spec_dequant(*quantize_tensor(n, t, quant).values()) if quant_format(n, quant) else t
                              for n, t in ref.state_dict().items()})
-        exact, vs_trainer = logprob_diff(url, ref, f"{mode}-q"), logprob_diff(url, model)
-        print(f"{quant} ({mode}): server vs dequantised trainer {exact:.1e}, vs the full-precision trainer "
-              f"{vs_trainer:.1e} (max |diff| of logprobs)")
-        assert exact <= 1e-5 and 1e-5 < vs_trainer < {"fp8": 1.0, "fp8_fp4": 3.0}[quant]
+        exact, vs_trainer = logprob_diff(url, ref.set_fp8_emulation(True), f"{mode}-q"), logprob_diff(url, model)
+        w8a16 = logprob_diff(url, ref.set_fp8_emulation(False))  # the server does round its activations
+        print(f"{quant} ({mode}): server vs dequantised trainer {exact:.1e} (W8A16: {w8a16:.1e}), vs the "
+              f"full-precision trainer {vs_trainer:.1e} (max |diff| of logprobs)")
+        assert exact <= 1e-5 and 1e-5 < vs_trainer < {"fp8": 1.0, "fp8_fp4": 3.0}[quant] and w8a16 > 1e-5
+        if quant == "fp8":  # train_quant='fp8' computes from full-precision weights what the server does
+            assert logprob_diff(url, copy.deepcopy(model).set_fp8_training(True)) <= 1e-5
         model = trained(step_seed=4)  # the disk sync sends other weights
     w = "layers.3.ffn.experts.6.w2.weight"  # what the server stores is quant.py's output, whole
     q, s = quantize_tensor(w, model.state_dict()[w], quant).values()

@@ -1,7 +1,7 @@
 """Runs a few training steps of a tiny V4 under a parallel layout and saves what the test compares.
 Launched by tests/test_parallel.py on 4 gloo ranks (and imported by it for the one-process reference):
     python tests/helpers/parallel_run.py OUT_DIR PP EP VARIANT[,VARIANT...]     (with RANK/WORLD_SIZE/... set)
-A variant is n_micro:schedule[:recompute][:offload], e.g. 4:1f1b:recompute; or "moe", which checks EP
+A variant is n_micro:schedule[:recompute][:offload][:fp8], e.g. 4:1f1b:recompute; or "moe", which checks EP
 dispatch/combine against a plain per-token loop over the unsharded experts, forward and backward."""
 import os
 import sys
@@ -43,10 +43,10 @@ def microbatches(seqs, n_micro, dp_rank, dp_size):
     return out
 
 
-def run(grid, n_micro, schedule, recompute=False, offload=False):
+def run(grid, n_micro, schedule, recompute=False, offload=False, fp8=False):
     """STEPS optimizer steps; returns (global loss and grad norm per step, this rank's state dict).
-    The grad norm is checked too because AdamW's update is blind to the scale of the gradient."""
-    model = parallel.build_stage(ModelArgs(**ARGS), grid, dtype=torch.float32, seed=7)
+    The grad norm is checked too because AdamW's update is blind to the scale of the gradient. fp8: train_quant."""
+    model = parallel.build_stage(ModelArgs(**ARGS), grid, dtype=torch.float32, seed=7).set_fp8_training(fp8)
     opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, offload=offload)
     losses = []
     for step in range(STEPS):
@@ -115,7 +115,7 @@ if __name__ == "__main__":
             check_moe(grid)
             continue
         n_micro, schedule, *flags = v.split(":")
-        losses, sd = run(grid, int(n_micro), schedule, "recompute" in flags, "offload" in flags)
+        losses, sd = run(grid, int(n_micro), schedule, "recompute" in flags, "offload" in flags, "fp8" in flags)
         torch.save({"losses": losses, "state": sd, "last_stage": grid.is_last_stage},
                    os.path.join(out, f"{v}.rank{grid.rank}.pt"))
     print(f"rank {grid.rank} done", flush=True)
