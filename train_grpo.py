@@ -208,9 +208,7 @@ t_start = time.time()
 # -----------------------------------------------------------------------------
 # the base, then distributed init: bad input stops here, before anything is built
 complete = checkpoint.checkpoints(out_dir)[0]  # oldest first
-resume_dir = None
-if resume and complete:
-    resume_dir = os.path.join(out_dir, complete[-1])
+resume_dir = os.path.join(out_dir, complete[-1]) if resume and complete else None
 base_dir = os.path.join(out_dir, 'base')
 if not init_from and not resume_dir and not dry_run and not os.path.isfile(os.path.join(base_dir, 'config.json')):
     if int(os.environ.get('WORLD_SIZE', 1)) > 1:  # one process makes the base; ranks would each start one
@@ -594,6 +592,7 @@ if eval_interval and start_step < max_steps:  # the policy after the last update
 
 # -----------------------------------------------------------------------------
 # cleanup
+wsync.teardown(grid, client)  # the weight-update groups with the servers (weight_sync='distributed' makes them)
 if grid.world_size > 1:
     parallel.barrier(grid.world_group, 'the end')
     dist.destroy_process_group()

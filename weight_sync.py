@@ -140,8 +140,10 @@ def make_groups(grid, client, urls, token, timeout):
     GROUP.update(urls=tuple(urls), names=names)
 
 
-def teardown(grid, client, urls=(), timeout=30):
-    """Forget the groups: ours at once; rank 0 asks the servers in urls to drop theirs (best effort)."""
+def teardown(grid, client, urls=None, timeout=30):
+    """Forget the groups: ours at once; rank 0 asks the servers in urls (by default the groups' own) to drop theirs
+    (best effort)."""
+    urls = GROUP.get("urls", ()) if urls is None else urls
     if GROUP.get("pg") is not None:
         dist.destroy_process_group(GROUP["pg"])
     if grid.rank == 0:

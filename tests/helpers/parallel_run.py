@@ -119,7 +119,9 @@ if __name__ == "__main__":
         torch.save({"losses": losses, "state": sd, "last_stage": grid.is_last_stage},
                    os.path.join(out, f"{v}.rank{grid.rank}.pt"))
     print(f"rank {grid.rank} done", flush=True)
-    # every group down before the interpreter exits: left to exit's teardown, gloo's worker threads can abort a rank
-    # ("terminate called without an active exception", seen in CI on the EP layouts after every rank was done)
+    # every group down, and no interpreter teardown: left to it, gloo's worker threads can abort a rank ("terminate
+    # called without an active exception", seen in CI on the EP layouts after every rank was done). The test reads
+    # the files written above and this output.
     parallel.barrier(grid.world_group, "parallel_run done")
     torch.distributed.destroy_process_group()
+    os._exit(0)

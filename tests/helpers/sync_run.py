@@ -25,10 +25,13 @@ if __name__ == "__main__":
                            version=f"{mode}-7", bucket_mb=0.25, verify=True, timeout=60)
         sent[mode] = stats["names"]
         assert stats["max_bucket_bytes"] <= 1 << 18, stats["max_bucket_bytes"]
-    json.dump(sent, open(os.path.join(out, f"sent.rank{grid.rank}.json"), "w"))
+    with open(os.path.join(out, f"sent.rank{grid.rank}.json"), "w") as f:
+        json.dump(sent, f)
     print(f"rank {grid.rank} done", flush=True)
-    # every group down before the interpreter exits, as train_grpo.py ends: left to exit's teardown, rank 0's
-    # weight-update group (gloo, with the servers) could abort the process ("terminate called without an active
-    # exception"), seen once in CI after every rank was done
+    # Every group down (the weight-update groups with the servers, then the ranks'), and no interpreter teardown: a
+    # sender's rank still aborted there once after every rank was done ("terminate called without an active
+    # exception": gloo's threads and the group's TCPStore outliving the interpreter). What the test reads is written.
+    wsync.teardown(grid, client, urls.split(","))
     parallel.barrier(grid.world_group, "sync_run done")
     torch.distributed.destroy_process_group()
+    os._exit(0)
