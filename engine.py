@@ -100,7 +100,8 @@ class Engine:
         self.buckets += [max_batch]
         self.module_of = dict(model.named_modules())  # for load_weights: the module tree is fixed once built
         # batch bucket -> CUDA graph of _decode; graphs need its sync-free path: fast kernels (grouped GEMM
-        # experts, which CUDA runs in bf16) and no FP8 emulation
+        # experts, which CUDA runs in bf16). FP8 numerics (a W8A8 server) decode eager: sync-free too with the grouped
+        # experts, but their capture has not been checked on a GPU
         fast = all(layer.ffn.fast for layer in model.layers.values())
         self.graphs = {} if (cuda_graphs and self.device.type == "cuda" and fast and model.dtype == torch.bfloat16
                              and not any(getattr(m, "fp8_emu", False) for m in model.modules())) else None

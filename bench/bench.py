@@ -52,6 +52,8 @@ p.add_argument("--compile", default="off", choices=["off", "layers", "graphs"],
 p.add_argument("--train_graphs", action="store_true", help="train: ours as the trainer replays a micro-batch on one "
                "GPU (graphs.StepGraphs: forward, loss and backward captured whole, after one eager run); with "
                "--compile=layers, of the compiled layers")
+p.add_argument("--train_quant", default="none", choices=["none", "fp8"],
+               help="train: ours with train_quant (fp8: its FP8 linears in FP8, model.set_fp8_training)")
 p.add_argument("--invariant", action="store_true", help="mismatch: both sides path-invariant (model.set_invariant)")
 p.add_argument("--profile", action="store_true", help="train, decode: our top CUDA/CPU ops (a step; 4 decode steps)")
 p.add_argument("--trace", default="", help="with --profile: also write the profiled steps' chrome://tracing JSON here")
@@ -398,7 +400,8 @@ def bench_train(ours, ref, args, device, dtype, versions):
     ids = torch.randint(0, args.vocab_size, (cli.batch, cli.seq), device=device)
     flops = train_flops(ours, args, cli.seq) * cli.batch
     peak = matmul_rate(device, dtype)
-    print(f"forward+backward, {cli.model}, batch {cli.batch} x seq {cli.seq}, {cli.dtype}, {versions}")
+    print(f"forward+backward, {cli.model}, batch {cli.batch} x seq {cli.seq}, {cli.dtype}, train_quant "
+          f"{cli.train_quant}, {versions}")
     print(f"  model FLOPs per step {flops / 1e12:.2f} T (6 x active params x tokens + attention); "
           f"measured {cli.dtype} matmul rate {peak / 1e12:.0f} TFLOP/s", flush=True)
     results, cuda = {}, device.type == "cuda"
@@ -456,7 +459,7 @@ if __name__ == "__main__":
     with torch.device("meta"):  # then made on the device and drawn there: Flash's widths are ~13 GB a layer in bf16
         ours = Transformer(copy.deepcopy(args), dtype=dtype)  # (--model=config/models/flash.json --layers=N)
     ours.to_empty(device=device).init_weights(draw_on=device)
-    ours.set_kernels(choose_kernels(cli.kernels, args, device, dtype))
+    ours.set_kernels(choose_kernels(cli.kernels, args, device, dtype)).set_fp8_training(cli.train_quant == "fp8")
     if cli.compile != "off":
         compile_policy.compile_model(ours, cli.compile)
     if cli.what == "mismatch":

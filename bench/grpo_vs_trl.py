@@ -60,6 +60,7 @@ p.add_argument("--lr", type=float, default=1e-6)
 p.add_argument("--temperature", type=float, default=1.0)
 p.add_argument("--compile", default="off", choices=["off", "layers"], help="ours: train_grpo.py's compile")
 p.add_argument("--train_graphs", default="off", choices=["auto", "off"], help="ours: train_grpo.py's train_graphs")
+p.add_argument("--train_quant", default="none", choices=["none", "fp8"], help="ours: train_grpo.py's train_quant")
 p.add_argument("--seed", type=int, default=1337)
 p.add_argument("--out", default="out/grpo_vs_trl")
 cli = p.parse_args()
@@ -131,7 +132,8 @@ def run_ours(model_dir, prompts):
            f"--max_steps={cli.steps}", f"--n_prompts={cli.n_prompts}", f"--n_samples={cli.n_samples}",
            f"--max_new_tokens={cli.max_new_tokens}", f"--n_microbatches={cli.n_prompts * cli.n_samples // cli.mb}",
            f"--lr={cli.lr}", f"--temperature={cli.temperature}", "--top_p=1.0", f"--dtype={cli.dtype}",
-           f"--compile={cli.compile}", f"--train_graphs={cli.train_graphs}", "--dynamic_sampling=False",
+           f"--compile={cli.compile}", f"--train_graphs={cli.train_graphs}", f"--train_quant={cli.train_quant}",
+           "--dynamic_sampling=False",
            "--loss_agg=token_mean", "--freeze_router=False", "--recompute=True", f"--seed={cli.seed}", f"--n_rl={N_RL}",
            f"--rollout_max_batch={cli.n_prompts * cli.n_samples}"]
     if not torch.cuda.is_available():
@@ -162,7 +164,8 @@ def run_ours(model_dir, prompts):
         s["tokens_trained"] = s.pop("train_tokens", 0) + cli.n_samples * sum(
             len(q["ids"]) for q in prompts[i * cli.n_prompts:(i + 1) * cli.n_prompts])
     return dict(first_step_s=first, steps=steps, mfu=train_mfu(model_dir, steps),
-                peer=f"train_grpo.py, compile {cli.compile}, train_graphs {cli.train_graphs}",
+                peer=f"train_grpo.py, compile {cli.compile}, train_graphs {cli.train_graphs}, train_quant "
+                     f"{cli.train_quant}",
                 gpu_busy=busy.mean(ends[0], ends[-1]) if len(ends) > 1 else None)
 
 

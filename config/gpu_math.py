@@ -15,6 +15,7 @@ compile = 'off'
 
 weight_sync = 'tensor'  # the embedded server on the same GPU reads the trainer's buckets through CUDA IPC
 rollout_quant = 'none'  # --rollout_quant=fp8 for the seed's own setting
+train_quant = 'none'  # --train_quant=fp8 with it: the actor computes what the FP8 engine computes
 rollout_max_batch = 1024  # a step's 256 samples in one wave, an eval's 1,600 in two
 
 data, eval_data = 'math', 'math'
