@@ -29,8 +29,9 @@ Precisions, for either side:
               Hadamard + FP4;
   fp8_fp4     fp8 with the routed experts through the FP4 (e2m1, group 32) round trip instead;
   fp32_emu    fp32 weights as they are, with set_fp8_emulation(True): the emulation without any bf16.
-An fp8 trainer gets the same rounded weights as an fp8 engine (dequantising FP8 is exact, spec §2.7): the aligned pair.
-A bf16 trainer against an fp8 engine keeps its own weights: the usual FP8-rollout setup.
+An fp8 trainer gets the same rounded weights as an fp8 engine (dequantising FP8 is exact, spec §2.7): the aligned pair,
+whose trainer side is train_quant='fp8''s forward bit for bit (tests/test_fp8_training.py). A bf16 trainer against an
+fp8 engine keeps its own weights: the FP8-rollout setup of the seed's run (FP8 rollouts, a BF16 actor).
 
 --layers records per-layer hidden states with forward hooks (and wrappers around each block's hc_pre/hc_post, so the
 mHC streams are included), token by token: the trainer side runs one full forward, the engine side prefills the prompt
