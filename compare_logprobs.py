@@ -55,7 +55,7 @@ import replay
 from engine import Engine, SamplingParams
 from checkpoint import from_pretrained
 from model_dsv4 import ModelArgs, Transformer, mask_picks, picks_mask
-from quant import FP8Linear, fp4_dequantize, fp4_quantize, fp8_block_dequantize, fp8_block_quantize
+from quant import FP8Linear, fp4_dequantize, fp4_quantize, fp8_round
 from tasks import load_tokenizer, math_problems, prompt_ids, toy_problems
 
 MODES = {"none": (), "routing": ("routed_experts",), "both": ("routed_experts", "indexer_topk")}  # --replay
@@ -102,7 +102,7 @@ def to_precision(model, precision, invariant=False):
                 if precision == "fp8_fp4" and ".experts." in name:  # routed only: shared_experts has no ".experts."
                     m.weight.copy_(fp4_dequantize(*fp4_quantize(m.weight)))
                 else:
-                    m.weight.copy_(fp8_block_dequantize(*fp8_block_quantize(m.weight)))
+                    m.weight.copy_(fp8_round(m.weight))
     return model.eval()
 
 
