@@ -92,7 +92,9 @@ class StepGraphs:
     def check_params(self):
         """The graphs read the parameters where they were at capture: a load that assigned new tensors (not copied
         into them, as AdamW.step and weight loads in place do) drops every graph, and the next micro-batches capture
-        again."""
+        again. The routed experts are stacked first (Transformer.stack_experts, which every forward would do): their
+        parameters become views of the stacks once, here, not inside the first captured step."""
+        self.model.stack_experts()
         where = [p.data_ptr() for p in self.model.parameters()]
         if self.where is not None and where != self.where and self.graphs:
             self.log(f"train graphs: the parameters moved, capturing {len(self.graphs)} graphs again")

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import parallel
 import replay as replay_ids
+from graphs import bucket
 
 
 def group_advantages(rewards):
@@ -52,21 +53,65 @@ def inert_group(prompt):
     return prompt, [{"output_ids": prompt[-1:], "logprobs": [0.0]}], None
 
 
-def pack_rows(lengths, align, pad_to=1):
-    """Sample lengths -> rows of packed samples, first fit by decreasing length: a row is as long as the longest sample
-    (rounded up to pad_to), and each sample starts at a multiple of align (model_dsv4.pack_multiple). A row then costs
-    what one padded sample cost, and holds several. -> (row length, [[(sample, offset), ...] a row])"""
-    T = -(-max(lengths) // pad_to) * pad_to
-    rows, ends = [], []
+def pack_rows(lengths, align, pad_to=1, row_len=0):
+    """Sample lengths -> rows of packed samples, first fit by decreasing length. Each sample starts at a multiple of
+    align (model_dsv4.pack_multiple), but a row's last one ends where it ends, so the sample whose round-up to align
+    would waste the most goes last. Rows are row_len long, or (0) as long as the longest sample rounded up to pad_to.
+    A row then costs what one padded sample cost, and holds several. -> (row length, [[(sample, offset), ...] a row])"""
+    T = row_len or -(-max(lengths) // pad_to) * pad_to
+    up = lambda n: -(-n // align) * align
+    rows = []  # [samples, their lengths rounded up to align, the most one of them wastes]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = next((r for r, end in enumerate(ends) if end + lengths[i] <= T), None)
-        if r is None:
-            rows.append([])
-            ends.append(0)
-            r = len(rows) - 1
-        rows[r].append((i, ends[r]))
-        ends[r] = -(-(ends[r] + lengths[i]) // align) * align
-    return T, rows
+        n, waste = up(lengths[i]), up(lengths[i]) - lengths[i]
+        row = next((r for r in rows if r[1] + n - max(r[2], waste) <= T), None)
+        if row is None:
+            row = [[], 0, 0]
+            rows.append(row)
+        row[0].append(i)
+        row[1], row[2] = row[1] + n, max(row[2], waste)
+    out = []
+    for samples, _, _ in rows:
+        last = max(samples, key=lambda i: up(lengths[i]) - lengths[i])
+        order, o = [i for i in samples if i != last] + [last], 0
+        out.append([])
+        for i in order:
+            out[-1].append((i, o))
+            o += up(lengths[i])
+    return T, out
+
+
+def split_rows(n_rows, per_mb):
+    """Rows a micro-batch for n_rows rows: whole micro-batches of per_mb rows, then the rest in the smallest of per_mb,
+    per_mb / 2, per_mb / 4 and per_mb / 8 rows that holds it: four shapes at most, and a last micro-batch at most half
+    empty unless the rest is under an eighth of a whole one."""
+    sizes, rest = [per_mb] * (n_rows // per_mb), n_rows % per_mb
+    if rest:
+        sizes.append(min(s for s in (per_mb, per_mb // 2, per_mb // 4, per_mb // 8) if s >= rest))
+    return sizes
+
+
+def plan_microbatches(lengths, align, tokens, pad_to=1, row_len=0):
+    """The token-budget layout (train_grpo.py's micro_batch_tokens): micro-batches of about `tokens` tokens, rows of one
+    length T for the step, as many micro-batches as the samples need. Their shapes hold still from step to step, as
+    CUDA graphs want (graphs.py): tokens // T rows (rounded down to a size graphs.bucket keeps, as are its halves), a
+    step's last micro-batch a half, a quarter or an eighth of that where it fits (split_rows).
+    T: row_len while the step's longest sample fits in it and fills at least half of it, else the length between the
+    longest sample's bucket and twice that (graphs.bucket's sizes, multiples of pad_to) that pads the fewest tokens:
+    rows of two or three short samples waste less than rows of one. align: pack_rows' (0: a sample a row).
+    -> (T, pack_rows' rows, [rows of each micro-batch])"""
+    longest = -(-bucket(max(lengths), 8) // pad_to) * pad_to
+    lengths_ok = [t for t in range(longest, 2 * longest + 1) if t % pad_to == 0 and bucket(t, 8) == t]
+
+    def plan(T):
+        rows = pack_rows(lengths, align, row_len=T)[1] if align else [[(i, 0)] for i in range(len(lengths))]
+        per_mb = max(1, tokens // T)
+        while bucket(per_mb, 4) != per_mb:  # the largest size graphs.bucket leaves as it is
+            per_mb -= 1
+        return T, rows, split_rows(len(rows), per_mb)
+
+    if row_len and max(lengths) <= row_len <= 2 * longest:
+        return plan(row_len)
+    return min((plan(T) for T in (lengths_ok if align else lengths_ok[:1])), key=lambda p: (p[0] * sum(p[2]), p[0]))
 
 
 def n_rows(groups, pack=0, pad_to=1):
@@ -75,31 +120,47 @@ def n_rows(groups, pack=0, pad_to=1):
     return len(pack_rows(lengths, pack, pad_to)[1]) if pack else len(lengths)
 
 
+def sample_lengths(groups):
+    """Each sample's tokens, prompt and response, in make_microbatches' order."""
+    return [len(p) + len(s["output_ids"]) for p, ss, _ in groups for s in ss]
+
+
 def make_microbatches(groups, n_micro, norm, loss_agg="seq_mean_token_mean", device="cpu", pad_to=1, replay=None,
-                      args=None, pack=0):
-    """groups: [(prompt ids, [samples], [advantages])] -> n_micro right-padded micro-batches holding what the last
-    stage's loss needs, per position t (logits at t score token t+1): response mask, advantage, rollout logprob,
-    and the loss weight: 1 / (response length * norm) for the per-sample token mean (norm = samples, all DP
-    ranks together), 1 / norm for the token mean (norm = response tokens, all DP ranks together).
+                      args=None, pack=0, tokens=0, row_len=0):
+    """groups: [(prompt ids, [samples], [advantages])] -> right-padded micro-batches holding what the last stage's
+    loss needs, per position t (logits at t score token t+1): response mask, advantage, rollout logprob, and the loss
+    weight: 1 / (response length * norm) for the per-sample token mean (norm = samples, all DP ranks together),
+    1 / norm for the token mean (norm = response tokens, all DP ranks together).
+    n_micro micro-batches, the rows dealt out in turn; or with tokens > 0, plan_microbatches' (row_len: its sticky row
+    length), at least n_micro of them (inert ones added, so that DP ranks run as many), each padded to its rows with
+    inert rows.
     pad_to: each micro-batch's length rounded up to a multiple of it (compiled layers: one graph for every length).
     replay: replay.columns of this stage: the engine's ids to replay, int32 [B, T, this stage's layers, k] under the
     field's name, row t for the token at t; -1 where the engine sent none (the last token, padding): the trainer's
     router picks there, its indexer none. args: the ModelArgs they are checked against. A group whose advantages are
     None (inert_group) adds rows with no mask, weight or replayed ids.
     pack: 0, a sample a row; else samples packed into rows (pack_rows, starting at multiples of pack) with "seg"
-    [B, T], each token's sample in its row (-1: padding), which the model reads to keep the samples apart (left out of
-    a micro-batch whose rows hold one sample each)."""
+    [B, T], each token's sample in its row (-1: padding), which the model reads to keep the samples apart (left out
+    where no row holds two samples: of a micro-batch, or with tokens, of the step, so its shapes stay few)."""
     samples = [(prompt, s, a) for prompt, ss, advs in groups for s, a in zip(ss, advs or [None] * len(ss))]
     lengths = [len(p) + len(s["output_ids"]) for p, s, _ in samples]
-    T, rows = pack_rows(lengths, pack, pad_to) if pack else (None, [[(j, 0)] for j in range(len(samples))])
+    if tokens:
+        T, rows, sizes = plan_microbatches(lengths, pack, tokens, pad_to, row_len)
+        sizes += [min(sizes)] * (n_micro - len(sizes))
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        chunks = [rows[s:s + n] + [[]] * max(0, n - len(rows[s:s + n])) for s, n in zip(starts, sizes)]
+        step_shared = any(len(row) > 1 for row in rows)
+    else:
+        T, rows = pack_rows(lengths, pack, pad_to) if pack else (None, [[(j, 0)] for j in range(len(samples))])
+        chunks, step_shared = [rows[i::n_micro] for i in range(n_micro)], None
     out = []
-    for chunk in [rows[i::n_micro] for i in range(n_micro)]:
+    for chunk in chunks:
         L = T or -(-max(lengths[j] for (j, _), in chunk) // pad_to) * pad_to
         mb = {k: torch.zeros(len(chunk), L, dtype=d) for k, d in (("input_ids", torch.long), ("tgt", torch.long),
               ("mask", torch.bool), ("adv", torch.float32), ("rollout_lp", torch.float32), ("weight", torch.float32),
               ("first", torch.bool))}
         # rows of one sample each need no "seg": its masks cost ~20% of a GPU step and keep nothing apart
-        shared = any(len(row) > 1 for row in chunk)
+        shared = any(len(row) > 1 for row in chunk) if step_shared is None else step_shared
         if shared:
             mb["seg"] = torch.full((len(chunk), L), -1, dtype=torch.long)
         for name, (cols, shape) in (replay or {}).items():
@@ -158,6 +219,17 @@ def grpo_loss(logp, entropy, mb, eps_low=0.2, eps_high=0.28, tis_cap=2.0, kl_coe
                       "ratio_dev": ((ratio - 1).abs() * m).sum()}
 
 
+def layout_metrics(parts, minis, grid):
+    """The step's micro-batches ([minibatch][micro-batch], make_microbatches'): how many a rank ran, their row
+    length, and the share of their tokens that are padding, over every DP rank."""
+    real = sum(sum(sample_lengths(part)) for part in parts)
+    t = torch.tensor([float(real), float(sum(mb["input_ids"].numel() for mbs in minis for mb in mbs))],
+                     device=grid.device)
+    parallel.all_reduce(t, grid.dp_group, "padding")
+    return {"micro_batches": sum(len(mbs) for mbs in minis), "row_len": minis[0][0]["input_ids"].shape[1],
+            "padding": 1 - t[0].item() / max(t[1].item(), 1.0)}
+
+
 def rollout_metrics(rstats, version, grid):
     """The step's rollouts (rollout_groups' stats: samples, groups drawn and kept, summed over the DP ranks; groups
     trained, already global): reward
@@ -193,6 +265,9 @@ def step_line(rec, max_steps):
             f"{g('logprob_abs_diff', '.1e')} | gnorm {g('grad_norm', '.2f')} | t_roll {g('t_rollout', '.1f')}s t_train "
             f"{g('t_train', '.1f')}s t_sync {g('t_sync', '.1f')}s | mem {g('trainer_mem_gb', '.1f')}"
             + (f"+{g('server_mem_gb', '.1f')}" if 'server_mem_gb' in rec else '') + f"GB | {g('elapsed_s', '.0f')}s"
+            + (f" | {rec['micro_batches']} x {rec['row_len']} pad {rec['padding']:.0%}" if 'padding' in rec else '')
+            + (f" | graphs: {rec['graph_captured']} captured" if rec.get('graph_captured') else '')
+            + (f" | {rec['graph_eager']} micro-batches eager (graphs full)" if rec.get('graph_eager') else '')
             + (f" | {rec['rollout_retries']} requests retried" if rec.get('rollout_retries') else '')
             + (f" | rollout failed once: {rec['rollout_error'][:200]}" if 'rollout_error' in rec else '')
             + (f" | skipped: {rec['skipped']}" if 'skipped' in rec else ''))

@@ -69,7 +69,7 @@ dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 is
 kernels = 'auto'  # 'auto': the fast paths (dsv4_kernels/) that pass kernel_check.py on this GPU | 'fast' | 'reference'
 compile = 'off'  # 'layers': the trainer's layers, head and loss torch.compiled (compile_policy.py)
 rollout_compile = 'off'  # the embedded server: 'off' replays CUDA graphs of its eager decode; 'layers' compiles first
-train_graphs = 'off'  # 'auto': a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py)
+train_graphs = 'auto'  # a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py); 'off'
 compile_cache = 'out/compile_cache'  # inductor / Triton caches for the next launch (TORCHINDUCTOR_CACHE_DIR wins)
 invariant = False  # trainer and embedded server path-invariant (model.set_invariant): logprobs equal bit for bit; slow
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the math and toy tasks, else 'deepseek-v4'
@@ -78,7 +78,9 @@ resume = False  # continue from the newest complete checkpoint in out_dir
 pp_size = 1  # pipeline stages
 ep_size = 1  # expert-parallel ranks, carved out of data parallel
 pp_layers = ''  # e.g. '11,11,11,10'; '' = balanced
-n_microbatches = 1  # per DP rank; the default trains its batch at once (fewer, bigger ops); PP wants several
+n_microbatches = 1  # per DP rank, without a token budget; the default trains its batch at once; PP wants several
+micro_batch_tokens = 0  # > 0: micro-batches of this many tokens (rows x the step's row length), as many as the samples
+# need, shapes that hold still (grpo.plan_microbatches); 0: 16384 where training graphs run, else n_microbatches a step
 recompute = False  # recompute each layer's activations in backward instead of keeping them
 loss_chunk = 1024  # tokens whose head logits exist at once in the loss (chunked_head.py): its memory, any length
 optimizer_offload = False  # AdamW's fp32 master weights and moments in host memory
@@ -179,7 +181,7 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
                 'loss_chunk', 'dry_run_world', 'rollout_max_batch', 'pp_size', 'ep_size', 'eval_n_samples',  # zero:
                 'max_sampling_rounds', 'n_rl', 'n_test', 'weight_sync_bucket_mb']  # a batch / 0, a server of 0 rows
     at_least_0 = ['max_steps', 'warmup_steps', 'eval_interval', 'checkpoint_interval', 'eval_limit', 'watchdog_s',
-                  'overlong_buffer', 'rollout_concurrency']
+                  'overlong_buffer', 'rollout_concurrency', 'micro_batch_tokens']
     for _k, _ok in choices.items():
         if globals()[_k] not in _ok:
             raise ValueError(f"{_k}={globals()[_k]!r}: choose one of {', '.join(_ok)}")
@@ -249,6 +251,8 @@ split = [int(x) for x in pp_layers.split(',')] if pp_layers else None
 if dry_run:  # the layout of the whole job on the meta device, no hardware; its longest micro-batch's rows: a DP rank's
     world = int(os.environ.get('WORLD_SIZE', dry_run_world))  # samples of a step, dealt by grpo.make_microbatches
     micro = math.ceil(math.ceil(n_prompts * n_samples / (world // pp_size)) / n_microbatches)
+    if micro_batch_tokens:  # rows of the longest sample
+        micro = max(1, micro_batch_tokens // (max_prompt_len + max_new_tokens))
     print(plan_table(args, pp_size, ep_size, world, micro, max_prompt_len + max_new_tokens, recompute,
                      n_microbatches, pp_layers=split, loss_chunk=loss_chunk, entropy_grad=entropy_coef > 0))
     sys.exit(0)
@@ -285,6 +289,9 @@ graphs = StepGraphs(model, grid, log=print0) if (why := why_not(grid, model, tra
 print0(f"train graphs: {'on' if graphs else f'off ({why})'}")
 pad_to = length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths
 pack = pack_multiple(args) if pack_samples else 0  # where a packed sample may start (a multiple of every ratio)
+mb_tokens = micro_batch_tokens or (16384 if graphs else 0)  # graphs replay fixed shapes: a token budget
+row_len = 0  # the token budget's row length, kept from step to step while the samples fit it (plan_microbatches)
+print0(f"micro-batches: {f'{mb_tokens} tokens each' if mb_tokens else f'{n_microbatches} a step'}")
 # the servers' ids we replay
 replayed = replay.columns(args, model.layers, replay.fields(routing_replay, indexer_replay))
 for name, p in model.named_parameters():  # MTP is not trained here; the router optionally frozen
@@ -555,11 +562,21 @@ for step in range(start_step, max_steps):
         norm_local = torch.tensor(float(norm_local), device=grid.device)
         norm = float(parallel.all_reduce(norm_local, grid.dp_group, 'loss norm'))
         parts = [part or [inert_group(encode(problems[0]))] for part in parts]  # a rank short of groups runs one
-        # as many micro-batches on every DP rank (expert-parallel peers run each one together): the fewest rows
-        rows = torch.tensor([float(grpo.n_rows(part, pack, pad_to)) for part in parts], device=grid.device)
-        fewest = parallel.all_reduce(rows, grid.dp_group, 'fewest rows', op=dist.ReduceOp.MIN).tolist()
-        minis = [make_microbatches(part, int(min(n_microbatches, few)), norm / n_minibatches, loss_agg, grid.device,
-                                   pad_to, replayed, args, pack) for part, few in zip(parts, fewest)]
+        # as many micro-batches on every DP rank (expert-parallel peers run each one together): with a token budget
+        # the most any rank needs, else n_microbatches or the fewest rows
+        rows, lens = [], []  # each part's micro-batches (rows without a token budget) and row length
+        for part in parts:
+            if mb_tokens:
+                row_len, _, sizes = grpo.plan_microbatches(grpo.sample_lengths(part), pack, mb_tokens, pad_to, row_len)
+                rows.append(float(len(sizes)))
+            else:
+                rows.append(float(min(n_microbatches, grpo.n_rows(part, pack, pad_to))))
+            lens.append(row_len)
+        op = dist.ReduceOp.MAX if mb_tokens else dist.ReduceOp.MIN
+        counts = parallel.all_reduce(torch.tensor(rows, device=grid.device), grid.dp_group, 'micro-batches', op=op)
+        minis = [make_microbatches(part, int(n), norm / n_minibatches, loss_agg, grid.device, pad_to, replayed, args,
+                                   pack, mb_tokens, T) for part, n, T in zip(parts, counts.tolist(), lens)]
+        rec.update(grpo.layout_metrics(parts, minis, grid))
         if n_minibatches > 1:  # the old policy's logprobs, before any of this rollout's updates
             for mbs in minis:
                 for mb, lp in zip(mbs, (graphs or parallel).forward_only(model, grid, mbs, grpo.token_logprobs)):

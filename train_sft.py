@@ -35,7 +35,7 @@ from engine import Engine
 from graphs import StepGraphs, why_not
 from kernel_check import choose as choose_kernels
 from eval_aime import evaluate, summary
-from model_dsv4 import ModelArgs
+from model_dsv4 import ModelArgs, pack_multiple
 from optimizer import AdamW, lr_at
 from rollout import LocalClient
 from tasks import load_tokenizer, math_batch, math_problems, prompt_ids
@@ -55,10 +55,13 @@ tokenizer = 'bytes'  # 'bytes' | 'deepseek-v4' | a tokenizer.json path
 pp_size = 1
 ep_size = 1
 pp_layers = ''  # e.g. '2,2'; '' = balanced
-n_microbatches = 2  # per DP rank
+n_microbatches = 2  # per DP rank, without a token budget
+micro_batch_tokens = 0  # > 0: micro-batches of this many tokens, as many as the batch needs (train_grpo.py's key);
+# 0: 16384 where training graphs run, else n_microbatches a step
+pack_samples = True  # several samples a row, kept apart (grpo.pack_rows), as train_grpo.py packs them
 recompute = False
 loss_chunk = 1024  # tokens whose head logits exist at once in the loss (chunked_head.py)
-train_graphs = 'off'  # 'auto': a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py)
+train_graphs = 'auto'  # a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py); 'off'
 dist_timeout = 600
 # data: the math task (tasks.py); the knobs are train_grpo's too, so that both see the same pools
 math_steps = 2  # operations per problem
@@ -85,8 +88,8 @@ log_interval = 10
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 try:
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
-    if loss_chunk < 1:
-        raise ValueError(f"loss_chunk={loss_chunk!r}: must be positive")
+    if loss_chunk < 1 or micro_batch_tokens < 0:
+        raise ValueError(f"loss_chunk={loss_chunk!r} (positive), micro_batch_tokens={micro_batch_tokens!r} (0 or more)")
     if train_graphs not in ('auto', 'off'):
         raise ValueError(f"train_graphs={train_graphs!r}: choose one of auto, off")
     if lr_schedule not in ('constant', 'linear', 'cosine') or dtype not in ('float32', 'bfloat16'):
@@ -136,6 +139,9 @@ model.set_kernels(fast)
 model.loss_chunk = loss_chunk
 graphs = StepGraphs(model, grid, log=print0) if (why := why_not(grid, model, train_graphs)) is None else None
 print0(f"train graphs: {'on' if graphs else f'off ({why})'}")
+mb_tokens = micro_batch_tokens or (16384 if graphs else 0)  # graphs replay fixed shapes: a token budget
+pack, row_len = pack_multiple(args) if pack_samples else 0, 0  # row_len: the budget's, kept while samples fit it
+print0(f"micro-batches: {f'{mb_tokens} tokens each' if mb_tokens else f'{n_microbatches} a step'}")
 for name, p in model.named_parameters():  # every parameter but MTP's, which has no loss here
     p.requires_grad_(not name.startswith('mtp.'))
 opt = AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -184,7 +190,16 @@ for step in range(max_steps):
     n_tokens = sum(len(r) for _, r in pairs)  # the loss is a mean over every solution token of the global batch
     mine = pairs[grid.dp_rank::grid.dp_size]
     groups = [(p, [{'output_ids': r, 'logprobs': [0.0] * len(r)}], [1.0]) for p, r in mine]
-    mbs = grpo.make_microbatches(groups, min(n_microbatches, len(mine)), float(n_tokens), 'token_mean', grid.device)
+    # as many micro-batches on every DP rank (expert-parallel peers run each one together): with a token budget the
+    # most any rank needs, else n_microbatches or the fewest rows
+    if mb_tokens:
+        row_len, _, sizes = grpo.plan_microbatches(grpo.sample_lengths(groups), pack, mb_tokens, 1, row_len)
+        n, op = len(sizes), torch.distributed.ReduceOp.MAX
+    else:
+        n, op = min(n_microbatches, grpo.n_rows(groups, pack)), torch.distributed.ReduceOp.MIN
+    n = parallel.all_reduce(torch.tensor(float(n), device=grid.device), grid.dp_group, 'micro-batches', op=op).item()
+    mbs = grpo.make_microbatches(groups, int(n), float(n_tokens), 'token_mean', grid.device, pack=pack,
+                                 tokens=mb_tokens, row_len=row_len)
     for g in opt.param_groups:
         g['lr'] = lr_of(step)
     m = parallel.train_step(model, grid, opt, mbs, loss_fn, grad_clip, graphs.train if graphs else '1f1b', recompute)
@@ -192,7 +207,8 @@ for step in range(max_steps):
     loss = parallel.all_reduce(loss, grid.dp_group, 'loss').item()  # the last stage's; other stages hold 0
     dt, tokens = time.time() - t0, sum(len(p) + len(r) for p, r in pairs)
     rec = {'step': step, 'loss': loss, 'lr': lr_of(step), 'grad_norm': m['grad_norm'], 'skipped': m['skipped'],
-           'tokens': tokens, 'tok_s': tokens / dt, 't_step': dt, **(graphs.take_counts() if graphs else {})}
+           'tokens': tokens, 'tok_s': tokens / dt, 't_step': dt, **grpo.layout_metrics([groups], [mbs], grid),
+           **(graphs.take_counts() if graphs else {})}
     last = step + 1 == max_steps
     ev = save_and_evaluate(step) if last or (eval_interval and (step + 1) % eval_interval == 0) else {}
     line = ev.pop('summary', None)
@@ -201,7 +217,10 @@ for step in range(max_steps):
         open(os.path.join(out_dir, 'metrics.jsonl'), 'a').write(json.dumps(rec) + '\n')
         if step % log_interval == 0 or line or last:
             print(f"step {step:05d}/{max_steps} | loss {loss:.4f} | lr {rec['lr']:.2e} | gnorm {m['grad_norm']:.2f} | "
-                  f"{rec['tok_s']:.0f} tok/s | {dt:.2f}s | {rec['elapsed_s']:.0f}s"
+                  f"{rec['tok_s']:.0f} tok/s | {dt:.2f}s | {rec['elapsed_s']:.0f}s | {rec['micro_batches']} x "
+                  f"{rec['row_len']} pad {rec['padding']:.0%}"
+                  + (f" | graphs: {rec['graph_captured']} captured" if rec.get('graph_captured') else '')
+                  + (f" | {rec['graph_eager']} micro-batches eager (graphs full)" if rec.get('graph_eager') else '')
                   + (' | skipped: non-finite' if m['skipped'] else ''), flush=True)
         if line:
             print(f"  held-out after step {step}: {line} ({rec['t_eval']:.0f}s)", flush=True)

@@ -14,7 +14,7 @@ The same on both sides:
 - the prompts: the math task's RL stream in train_grpo.py's order, rendered in DeepSeek-V4's chat layout; the harness
   stops unless TRL's tokenizer gives the same ids;
 - a step's batch (n_prompts x n_samples), max_new_tokens, temperature, learning rate (constant), micro-batches of
-  --mb samples with activation recompute (gradient checkpointing), every parameter trained, no KL, DAPO's clip range
+  --mb samples (ours: their tokens at the longest, train_grpo.py's micro_batch_tokens) with activation recompute (gradient checkpointing), every parameter trained, no KL, DAPO's clip range
   (0.2 / 0.28) and token-level loss, gradient clipping at 1;
 - every group trains: a random model's rewards are all 0, and our trainer with dynamic sampling on would skip the step
   (train_grpo.py's dynamic_sampling=False here); TRL trains on zero advantages anyway.
@@ -59,7 +59,7 @@ p.add_argument("--mb", type=int, default=8, help="samples a micro-batch")
 p.add_argument("--lr", type=float, default=1e-6)
 p.add_argument("--temperature", type=float, default=1.0)
 p.add_argument("--compile", default="off", choices=["off", "layers"], help="ours: train_grpo.py's compile")
-p.add_argument("--train_graphs", default="off", choices=["auto", "off"], help="ours: train_grpo.py's train_graphs")
+p.add_argument("--train_graphs", default="auto", choices=["auto", "off"], help="ours: train_grpo.py's train_graphs")
 p.add_argument("--train_quant", default="none", choices=["none", "fp8"], help="ours: train_grpo.py's train_quant")
 p.add_argument("--seed", type=int, default=1337)
 p.add_argument("--out", default="out/grpo_vs_trl")
@@ -127,10 +127,12 @@ def run_ours(model_dir, prompts):
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
         os.remove(os.path.join(out_dir, "metrics.jsonl"))
+    # TRL's micro-batch of --mb samples at the longest as a token budget: ours packs samples into it
+    mb_tokens = cli.mb * (max(len(q["ids"]) for q in prompts) + cli.max_new_tokens)
     cmd = [sys.executable, "train_grpo.py", "config/h200.py", f"--out_dir={out_dir}", f"--init_from={model_dir}",
            "--tokenizer=deepseek-v4", "--data=math", "--eval_data=math", "--eval_interval=0", "--checkpoint_interval=0",
            f"--max_steps={cli.steps}", f"--n_prompts={cli.n_prompts}", f"--n_samples={cli.n_samples}",
-           f"--max_new_tokens={cli.max_new_tokens}", f"--n_microbatches={cli.n_prompts * cli.n_samples // cli.mb}",
+           f"--max_new_tokens={cli.max_new_tokens}", f"--micro_batch_tokens={mb_tokens}",
            f"--lr={cli.lr}", f"--temperature={cli.temperature}", "--top_p=1.0", f"--dtype={cli.dtype}",
            f"--compile={cli.compile}", f"--train_graphs={cli.train_graphs}", f"--train_quant={cli.train_quant}",
            "--dynamic_sampling=False",

@@ -23,7 +23,7 @@ math_steps, math_digits, math_ops, math_words = 3, 2, '+--', 0.0  # as in sft_co
 n_rl, n_test = 4000, 200
 n_prompts, n_samples = 32, 8  # the seed's batch (config/mi355x.py)
 max_prompt_len, max_new_tokens = 64, 160  # prompts are <= 16 bytes, worked solutions <= 128
-n_microbatches = 4
+micro_batch_tokens = 4096  # a step's ~100-250 samples in 3-8 micro-batches of 16 rows x 240, padding ~12 %
 
 # DAPO: clip-higher, dynamic sampling, token-level loss, truncated importance sampling; no KL, no entropy bonus
 lr = 3e-5

@@ -14,9 +14,9 @@ model_config = 'config/models/bench_2b.json'
 dtype = 'bfloat16'
 compile = 'off'  # 'layers' compiles the trainer's layers (minutes cold); the server replays CUDA graphs of eager
 
-# one GPU, so no PP/EP; micro-batches bound activation memory (128 samples / 16 = 8 per micro-batch)
+# one GPU, so no PP/EP; micro-batches bound activation memory (8 samples of ~3k tokens each)
 pp_size, ep_size, dry_run_world = 1, 1, 1
-n_microbatches = 16
+micro_batch_tokens = 24576
 recompute = True  # ~2k-token samples x 4 mHC streams; spec §7.2 budgets ~80 GB for activations
 optimizer_offload = False  # fp32 master + Adam is ~39 GB, it fits
 

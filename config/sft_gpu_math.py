@@ -22,7 +22,7 @@ math_words = 0.0
 math_teacher_error = 0.0
 math_teacher_bug = 0.9
 batch_size = 256
-n_microbatches = 2
+micro_batch_tokens = 4096  # the batch's 256 packed samples in ~8 micro-batches of one shape
 
 lr = 8e-4
 lr_schedule = 'linear'

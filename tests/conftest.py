@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -53,6 +54,42 @@ def randomize_(model, n_experts, top_k, seed=0):
         else:  # sinks, mHC bases
             t.copy_(rnd(t))
     return model
+
+
+# The GPU tier, `python -m pytest -m gpu` on a machine with a GPU (README): these modules' tests run their kernels,
+# compiled paths and CUDA graphs on the GPU when there is one; so do tests marked gpu in other modules (GPU-only
+# ones, and tests/test_gpu_runs.py's runs of the GPU commands) and every test parametrized with device="cuda".
+T0 = time.time()  # the session's start, near enough (conftest is read first)
+GPU_MODULES = {"test_chunked_head", "test_compile", "test_compile_engine", "test_decode_attention",
+               "test_decode_kernels", "test_fast_paths", "test_fast_paths_engine", "test_fp8_training", "test_graphs",
+               "test_kernel_check", "test_mhc_kernels", "test_routing_kernels", "test_weights_in_place"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        on_cuda = getattr(item, "callspec", None) is not None and item.callspec.params.get("device") == "cuda"
+        if item.module.__name__ in GPU_MODULES or on_cuda:
+            item.add_marker(pytest.mark.gpu)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """GPU_TIER_OUT=path: the run's summary as JSON there (GPU, torch, commit, date, counts, what failed), the record
+    bench/results/gpu_tier.json keeps of the GPU tier's last run."""
+    path = os.environ.get("GPU_TIER_OUT")
+    if not path:
+        return
+    import datetime
+    import json
+    stats = terminalreporter.stats
+    count = {k: len(stats.get(k, [])) for k in ("passed", "failed", "error", "skipped", "xfailed")}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip()
+    with open(path, "w") as f:
+        json.dump({"command": "python -m pytest -m gpu", "args": config.invocation_params.args,
+                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                   "torch": torch.__version__, "commit": commit, "date": datetime.date.today().isoformat(),
+                   "seconds": round(time.time() - T0, 1), **count,
+                   "not_passed": [r.nodeid for k in ("failed", "error") for r in stats.get(k, [])]}, f, indent=1)
 
 
 @pytest.fixture

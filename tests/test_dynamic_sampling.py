@@ -29,14 +29,17 @@ def math_base(tmp_path_factory):
 def test_dynamic_sampling_trains_the_same_batch_on_any_layout(tmp_path, math_base):
     """The default job (the math task, every parameter, DAPO's dynamic sampling) for two steps from a base whose
     groups are partly flat: 1 process and PP2 x EP2 on 4 ranks (2 DP ranks) draw the same prompts, refill with the
-    same ones (the second step over-samples by the first's kept share), and train the same groups. When each DP rank
-    refilled from a stream of its own they did not."""
+    same ones (the second step over-samples by the first's kept share), and train the same groups, the 4 ranks in
+    micro-batches of a token budget. When each DP rank refilled from a stream of its own they did not."""
     job = [f"--init_from={math_base}", "--data=math", "--eval_data=math", "--n_rl=24", "--seed=11", "--n_prompts=8",
            "--n_samples=4", "--max_new_tokens=16", "--dynamic_sampling=True", "--max_sampling_rounds=4",
            "--trainable=all", "--lr=1e-4", "--max_steps=2", "--checkpoint_interval=2"]
     one = run(tmp_path / "one", *job)
-    four = run(tmp_path / "four", *job, "--pp_size=2", "--ep_size=2", nproc=4)
+    # the 4 ranks in micro-batches of a token budget (several a step, as many on each DP rank, inert ones where a rank
+    # needs fewer), the one process in n_microbatches (grpo_base's 2): the same step
+    four = run(tmp_path / "four", *job, "--pp_size=2", "--ep_size=2", "--micro_batch_tokens=64", nproc=4)
     assert one[0]["sampled_groups"] > 8 and one[1]["sampled_groups"] > 8, one  # refills, then over-sampling
+    assert all(r["micro_batches"] >= 3 and 0 <= r["padding"] < 1 for r in four), four
     for a, b in zip(one, four):
         assert a["trained_groups"] >= 2 and a["grad_norm"] > 0, a
         for k in ("sampled_groups", "trained_groups", "train_tokens", "response_tokens"):

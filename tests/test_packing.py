@@ -88,3 +88,76 @@ def test_packed_grpo_step_equals_unpacked():
     assert cells1 < cells0  # fewer padded positions
     assert g0.abs().max() > 0 and (g1 - g0).abs().max() <= 1e-5 * g0.abs().max()
     assert e1 == pytest.approx(e0, rel=1e-5)
+
+
+def math_lengths(n, seed):
+    """The GPU math study's samples (config/gpu_math.py): byte-tokenized prompts and worked solutions + EOS."""
+    import random
+    from tasks import ByteTokenizer, math_problems, prompt_ids
+    tok, rng = ByteTokenizer(), random.Random(seed)
+    pool = math_problems("rl", 400, 1337, steps=3, digits=2, ops="+--")
+    return [len(prompt_ids(tok, p["prompt"])) + len(tok.encode(p["solution"])) + 1 for p in rng.choices(pool, k=n)]
+
+
+def test_token_budget_layout_holds_its_shapes():
+    """plan_microbatches: every sample once, aligned but a row's last, within its row; rows of one length between the
+    longest sample's bucket and twice it; at most four micro-batch shapes (the whole one a size graphs.bucket keeps,
+    a half, a quarter and an eighth), and the row length kept from step to step while the samples fit it. Over 30
+    steps of the math study's samples (64 to 256 a step) at 4,096 tokens: four shapes in all and under 15 % padding,
+    where rows of the longest sample's length pad over a fifth."""
+    from graphs import bucket
+    from grpo import plan_microbatches
+    shapes, row_len, pad, slots, plain, plain_slots = set(), 0, 0, 0, 0, 0
+    for step in range(30):
+        lengths = math_lengths(8 * (8 + (step * 7) % 25), step)
+        T, rows, sizes = plan_microbatches(lengths, 32, 4096, row_len=row_len)
+        assert step == 0 or T == row_len  # the lengths do not move: the row length holds
+        row_len, longest = T, bucket(max(lengths), 8)
+        assert longest <= T <= 2 * longest and sorted(j for row in rows for j, _ in row) == list(range(len(lengths)))
+        for row in rows:
+            assert all(o % 32 == 0 for _, o in row) and row[-1][1] + lengths[row[-1][0]] <= T
+            assert all(o + lengths[j] <= o2 for (j, o), (_, o2) in zip(row, row[1:]))  # in order, no overlap
+        assert sum(sizes) >= len(rows) and sum(sizes[:-1]) < len(rows) and bucket(sizes[0], 4) == sizes[0]
+        assert set(sizes) <= {sizes[0] >> k for k in range(4)} and sizes[0] * T <= 4096
+        shapes |= {(s, T) for s in sizes}
+        pad, slots = pad + T * sum(sizes) - sum(lengths), slots + T * sum(sizes)
+        T1, rows1, sizes1 = plan_microbatches(lengths, 32, 4096, row_len=longest)
+        assert T1 == longest
+        plain, plain_slots = plain + T1 * sum(sizes1) - sum(lengths), plain_slots + T1 * sum(sizes1)
+    assert len(shapes) <= 4 and pad / slots <= 0.15 < 0.2 < plain / plain_slots, (shapes, pad / slots)
+    longer = math_lengths(64, 99) + [3 * row_len]  # a sample that no longer fits: a new row length
+    assert plan_microbatches(longer, 32, 4096, row_len=row_len)[0] >= 3 * row_len
+
+
+def test_token_budget_microbatches_train_the_same_step():
+    """make_microbatches(tokens=...) against a sample a row in two micro-batches: the same loss, metrics and gradient,
+    in micro-batches of the planned shapes (inert rows where a micro-batch is not full, every one carrying "seg"
+    once a row holds two samples), and with more micro-batches asked for than the samples need (DP ranks run as many
+    as the busiest one), the extra ones inert."""
+    from grpo import plan_microbatches, sample_lengths
+    m, g = model(True), torch.Generator().manual_seed(6)
+    groups = []
+    for i, n in enumerate(LENGTHS[:6]):
+        prompt = torch.randint(2, ARGS.vocab_size, (n // 4 + 2,), generator=g).tolist()
+        outs = [torch.randint(2, ARGS.vocab_size, (L,), generator=g).tolist() for L in (n, n // 3 + 1, 7)]
+        groups.append((prompt, [{"output_ids": o, "logprobs": [-1.0] * len(o)} for o in outs], [1.0, -0.5, -0.5]))
+    T, rows, sizes = plan_microbatches(sample_lengths(groups), pack_multiple(ARGS), 800)
+    assert sum(sizes) > len(rows)  # inert rows
+    results = []
+    for kw in (dict(n_micro=2), dict(n_micro=len(sizes) + 2, pack=pack_multiple(ARGS), tokens=800)):
+        mbs = make_microbatches(groups, kw.pop("n_micro"), 12.0, **kw)
+        total, metrics = 0.0, []
+        for mb in mbs:
+            x = parallel.stage_forward(m, None, mb["input_ids"], seg=mb.get("seg"))
+            loss, extra = m.head_loss(x, mb, grpo_loss)
+            loss.backward()
+            total += loss.item()
+            metrics.append(extra["n_tok"].item())
+        grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+        m.zero_grad()
+        results.append((mbs, total, sum(metrics), grads))
+    (_, l0, n0, g0), (mbs, l1, n1, g1) = results
+    assert [tuple(mb["input_ids"].shape) for mb in mbs] == [(s, T) for s in sizes] + [(min(sizes), T)] * 2
+    assert all("seg" in mb for mb in mbs) and not any(mb["mask"].any() for mb in mbs[-2:])
+    assert g0.abs().max() > 0 and (g1 - g0).abs().max() <= 1e-5 * g0.abs().max() and n1 == n0
+    assert l1 == pytest.approx(l0, rel=1e-5, abs=1e-7)

@@ -224,6 +224,7 @@ def test_grpo_step_with_replay_pp2_ep2_equals_one_process(tmp_path, base):  # no
     assert norm(diff) <= 1e-3 * norm({k: w1[k] - w0[k] for k in w1})
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the decode kernels need a GPU")
 def test_gpu_engine_records_under_cuda_graphs_and_compiled_layers(model, compile_layers):
     """bf16 with the kernels on: the engine's decode replays CUDA graphs (its layers eager, then compiled), which write

@@ -153,6 +153,7 @@ def test_sglang_documented_cpu_client(srv):
     assert RolloutClient(srv)._http(srv, "GET", "/model_info")[1]["weight_version"] == "step-1"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC: a GPU shared by trainer and server")
 @pytest.mark.parametrize("quant,flatten", [("none", True), ("fp8", True), ("none", False)])
 def test_cuda_ipc_into_a_server_on_this_gpu(ckpt, quant, flatten, tmp_path):
