@@ -14,8 +14,9 @@ The same on both sides:
 - the prompts: the math task's RL stream in train_grpo.py's order, rendered in DeepSeek-V4's chat layout; the harness
   stops unless TRL's tokenizer gives the same ids;
 - a step's batch (n_prompts x n_samples), max_new_tokens, temperature, learning rate (constant), micro-batches of
-  --mb samples (ours: as many tokens as --mb of the longest, train_grpo.py's micro_batch_tokens), activation recompute (gradient checkpointing), every parameter trained, no KL, DAPO's clip range
-  (0.2 / 0.28) and token-level loss, gradient clipping at 1;
+  --mb samples (ours: as many tokens as --mb of the longest, train_grpo.py's micro_batch_tokens), activation
+  recompute (gradient checkpointing), every parameter trained, no KL, DAPO's clip range (0.2 / 0.28) and token-level
+  loss, gradient clipping at 1;
 - every group trains: a random model's rewards are all 0, and our trainer with dynamic sampling on would skip the step
   (train_grpo.py's dynamic_sampling=False here); TRL trains on zero advantages anyway.
 
