@@ -263,10 +263,10 @@ class FP8GroupedMatmul(torch.autograd.Function):
     def backward(ctx, dy):
         xq, xs, w, offs = ctx.saved_tensors
         dx = torch._grouped_mm(fake_quant_fp8(dy), fp8_round(w, ctx.parts, dy.dtype), offs=offs)
-        # wgrad: each group's dy.T @ x, grouped along the rows; rows padded to a multiple of 16 (the GEMM wants
-        # strides of whole 16 bytes), the padding past the last group's end
-        pad = (0, 0, 0, -dy.shape[0] % 16)
-        dw = torch._grouped_mm(F.pad(dy, pad).mT.contiguous(), F.pad(act_dequant(xq, xs, dy.dtype), pad), offs=offs)
+        # wgrad: each group's dy.T @ x, grouped along the rows. dy.T is passed as the transposed view of dy, as
+        # torch's own backward of _grouped_mm does: a row-major copy would make each expert's rows start on whole
+        # 16 bytes (a multiple of 8 rows in bf16), which routing does not give (CUDA's device-side assert)
+        dw = torch._grouped_mm(dy.contiguous().mT, act_dequant(xq, xs, dy.dtype), offs=offs)
         return dx, dw.to(w.dtype), None, None
 
 

@@ -78,3 +78,18 @@ def test_grpo_graphed_steps_equal_eager_and_replay(base):
     assert abs(g["loss"] - e["loss"]) <= 1e-3 and abs(g["entropy"] - e["entropy"]) <= 1e-2 * e["entropy"], (g, e)
     assert e["grad_norm"] > 0 and abs(g["grad_norm"] - e["grad_norm"]) <= 3e-2 * e["grad_norm"], (g, e)
     assert all(r["grad_norm"] > 0 for r in steps)
+
+
+def test_grpo_fp8_actor_against_the_fp8_engine(base):
+    """FP8 rollouts (the W8A8 engine) and FP8 training from the same base, graphed, 2 steps: every micro-batch
+    replayed, the FP8 grouped experts' backward on any row counts, and the trainer scoring the engine's tokens far
+    closer than a bf16 trainer against the same engine."""
+    d, _, _ = base
+    job = [f"--init_from={d / 'base'}", "--dtype=bfloat16", "--weight_sync=tensor", "--dynamic_sampling=False",
+           "--n_prompts=8", "--n_samples=8", "--max_new_tokens=48", "--micro_batch_tokens=1024", "--max_steps=2",
+           "--checkpoint_interval=0", "--eval_interval=0", "--rollout_quant=fp8"]
+    fp8, log = run("train_grpo.py", d / "fp8", *job, "--train_quant=fp8", cache=d / "cache")
+    bf16, _ = run("train_grpo.py", d / "fp8_bf16", *job, cache=d / "cache")
+    check_graphs(fp8, log, later_captures=3)
+    assert all(r["grad_norm"] > 0 and r["train_tokens"] > 0 for r in fp8), fp8
+    assert fp8[0]["logprob_abs_diff"] < 0.5 * bf16[0]["logprob_abs_diff"], (fp8[0], bf16[0])
