@@ -19,6 +19,7 @@ math_ops = '+-'
 math_words = 0.0
 batch_size = 64
 n_microbatches = 1  # the whole batch in one forward: on the CPU fewer, bigger ops are faster
+pack_samples = False  # on the CPU the packed rows' masks cost more than the padding they save here
 # 60% of the worked solutions come from a noisy teacher that carries one intermediate result into the next step one
 # too high (tasks.math_batch). The base imitates the slip as well as the skills: it writes well-formed solutions
 # (>= 99% end in "Answer: <integer>") that are right about 40% of the time, and more supervised training on these
