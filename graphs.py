@@ -6,12 +6,14 @@ it applies (`why_not`): one CUDA stage holding the whole model and all its exper
 expert-parallel layouts run the eager schedules of parallel.py, which stay the reference.
 
 How, as Megatron-core's whole-iteration graphs but with the optimizer outside:
-- fixed shapes: a micro-batch is padded to a bucket, its rows and its length rounded up (`bucket`). Padding is inert:
-  no mask and no loss weight, in rows of its own or past a row's last sample (attention is causal), so the loss, the
-  metrics and the gradients are those of the micro-batch itself;
+- fixed shapes: the trainers lay a step out in micro-batches of a token budget (grpo.plan_microbatches: rows of one
+  length, sizes that `bucket` keeps as they are), so a run meets a few shapes; any other micro-batch is padded to a
+  bucket, its rows and its length rounded up. Padding is inert: no mask and no loss weight, in rows of its own or past
+  a row's last sample (attention is causal), so the loss, the metrics and the gradients are the micro-batch's own;
 - the first micro-batch of a bucket runs eagerly on its padded inputs: that is its real work, and it warms up what
   runs lazily once (cuBLAS workspaces, Triton's first launches). The same call is then captured, which runs nothing;
-  the bucket's later micro-batches are copied into the graph's inputs and replayed;
+  the bucket's later micro-batches are copied into the graph's inputs and replayed. The routed experts are stacked
+  before the first capture (check_params), so the parameters keep the addresses the graphs read;
 - gradients accumulate in place into tensors kept from one step to the next, which the graphs write: taken from the
   first backward (the experts' stacked gradients and their views included), zeroed and handed back to the
   parameters before each step (AdamW.step takes them away);

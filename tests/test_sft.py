@@ -64,7 +64,7 @@ def test_sft_pp2_ep2_equals_one_rank(tmp_path):
     alone. AdamW moves an entry whose gradient is near zero by up to lr whatever its rounding (it divides by the
     gradient's size), so the steps are small (lr 5e-4: ~3e-6 here); a batch drawn per rank, a loss normalised per rank
     or a missing gradient reduce moves weights by ~lr, and the losses apart at once."""
-    args = ["--max_steps=3", "--n_test=0", "--lr=5e-4"]
+    args = ["--max_steps=3", "--n_test=0", "--lr=5e-4", "--pack_samples=False"]  # packed, each rank packs its own
     one = run(tmp_path / "one", *args, "--n_microbatches=4")
     four = run(tmp_path / "four", *args, "--pp_size=2", "--ep_size=2", nproc=4)
     for a, b in zip(one, four, strict=True):
