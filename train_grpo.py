@@ -69,7 +69,7 @@ dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 is
 kernels = 'auto'  # 'auto': the fast paths (dsv4_kernels/) that pass kernel_check.py on this GPU | 'fast' | 'reference'
 compile = 'off'  # 'layers': the trainer's layers, head and loss torch.compiled (compile_policy.py)
 rollout_compile = 'off'  # the embedded server: 'off' replays CUDA graphs of its eager decode; 'layers' compiles first
-train_graphs = 'auto'  # a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py); 'off'
+train_graphs = 'off'  # 'auto': a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py)
 compile_cache = 'out/compile_cache'  # inductor / Triton caches for the next launch (TORCHINDUCTOR_CACHE_DIR wins)
 invariant = False  # trainer and embedded server path-invariant (model.set_invariant): logprobs equal bit for bit; slow
 tokenizer = ''  # '' = the checkpoint's tokenizer.json, else 'bytes' for the math and toy tasks, else 'deepseek-v4'

@@ -61,7 +61,7 @@ micro_batch_tokens = 0  # > 0: micro-batches of this many tokens, as many as the
 pack_samples = True  # several samples a row, kept apart (grpo.pack_rows), as train_grpo.py packs them
 recompute = False
 loss_chunk = 1024  # tokens whose head logits exist at once in the loss (chunked_head.py)
-train_graphs = 'auto'  # a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py); 'off'
+train_graphs = 'off'  # 'auto': a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py)
 dist_timeout = 600
 # data: the math task (tasks.py); the knobs are train_grpo's too, so that both see the same pools
 math_steps = 2  # operations per problem

@@ -1,6 +1,6 @@
 """The user's GPU commands, short, on one GPU (part of the GPU tier, `python -m pytest -m gpu`): train_sft.py and
-train_grpo.py on their defaults (training graphs on, micro-batches of a token budget), the micro model in bf16, the
-embedded server decoding the rollouts and the evals on the same GPU. Each run replays every micro-batch from a graph
+train_grpo.py with training graphs (train_graphs='auto': micro-batches of a token budget), the micro model in bf16,
+the embedded server decoding the rollouts and the evals on the same GPU. Each run replays every micro-batch from a graph
 captured once for its shape (none eager, no graph captured again), its padding reported, and the graphed GRPO step
 scores and updates as the eager one does."""
 import json
@@ -41,14 +41,15 @@ def base(tmp_path_factory):
     CUDA-graph decode): the base every GRPO run here starts from."""
     d = tmp_path_factory.mktemp("gpu")
     rows, log = run("train_sft.py", d / "base", "config/sft_micro.py", "--dtype=bfloat16", "--max_steps=16",
+                    "--train_graphs=auto", "--pack_samples=True",
                     "--micro_batch_tokens=1024", "--n_test=16", "--eval_n_samples=2", "--log_interval=1",
                     cache=d / "cache")
     return d, rows, log
 
 
 def test_sft_replays_each_micro_batch_shape(base):
-    """SFT on its defaults: micro-batches of 1,024 tokens (several a step, packed, some padding), every one replayed
-    from its graph after the first, the loss falling, the eval run on what it wrote."""
+    """SFT with training graphs: micro-batches of 1,024 tokens (several a step, packed, some padding), every one
+    replayed from its graph after the first, the loss falling, the eval run on what it wrote."""
     _, rows, log = base
     check_graphs(rows, log, later_captures=3)
     assert all(r["micro_batches"] >= 2 and 0 <= r["padding"] < 0.5 for r in rows), rows
@@ -56,14 +57,15 @@ def test_sft_replays_each_micro_batch_shape(base):
 
 
 def test_grpo_graphed_steps_equal_eager_and_replay(base):
-    """train_grpo.py from that base on its defaults (graphs on, the embedded server decoding on the same GPU, CUDA IPC
+    """train_grpo.py from that base with training graphs (the embedded server decoding on the same GPU, CUDA IPC
     weight sync), 4 steps with evals, and the same job eager for 2 steps: the same rollouts (seeded) scored and
     updated alike within bf16, the graphed run replaying every micro-batch and its engine and trainer agreeing."""
     d, _, _ = base
     job = [f"--init_from={d / 'base'}", "--dtype=bfloat16", "--weight_sync=tensor", "--dynamic_sampling=False",
            "--n_prompts=8", "--n_samples=8", "--max_new_tokens=48", "--micro_batch_tokens=1024", "--lr=1e-4",
            "--checkpoint_interval=0", "--eval_limit=16", "--eval_n_samples=2"]
-    rows, log = run("train_grpo.py", d / "graphed", *job, "--max_steps=4", "--eval_interval=2", cache=d / "cache")
+    rows, log = run("train_grpo.py", d / "graphed", *job, "--max_steps=4", "--eval_interval=2", "--train_graphs=auto",
+                    cache=d / "cache")
     eager, elog = run("train_grpo.py", d / "eager", *job, "--max_steps=2", "--eval_interval=0", "--train_graphs=off",
                       cache=d / "cache")
     check_graphs(rows, log, later_captures=3)
@@ -88,7 +90,7 @@ def test_grpo_fp8_actor_against_the_fp8_engine(base):
     job = [f"--init_from={d / 'base'}", "--dtype=bfloat16", "--weight_sync=tensor", "--dynamic_sampling=False",
            "--n_prompts=8", "--n_samples=8", "--max_new_tokens=48", "--micro_batch_tokens=1024", "--max_steps=2",
            "--checkpoint_interval=0", "--eval_interval=0", "--rollout_quant=fp8"]
-    fp8, log = run("train_grpo.py", d / "fp8", *job, "--train_quant=fp8", cache=d / "cache")
+    fp8, log = run("train_grpo.py", d / "fp8", *job, "--train_quant=fp8", "--train_graphs=auto", cache=d / "cache")
     bf16, _ = run("train_grpo.py", d / "fp8_bf16", *job, cache=d / "cache")
     check_graphs(fp8, log, later_captures=3)
     assert all(r["grad_norm"] > 0 and r["train_tokens"] > 0 for r in fp8), fp8
