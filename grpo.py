@@ -95,12 +95,13 @@ def plan_microbatches(lengths, align, tokens, pad_to=1, row_len=0):
     length T for the step, as many micro-batches as the samples need. Their shapes hold still from step to step, as
     CUDA graphs want (graphs.py): tokens // T rows (rounded down to a size graphs.bucket keeps, as are its halves), a
     step's last micro-batch a half, a quarter or an eighth of that where it fits (split_rows).
-    T: row_len while the step's longest sample fits in it and fills at least half of it, else the length between the
-    longest sample's bucket and twice that (graphs.bucket's sizes, multiples of pad_to) that pads the fewest tokens:
-    rows of two or three short samples waste less than rows of one. align: pack_rows' (0: a sample a row).
+    T: row_len while the step's longest sample fits in it and its bucket is at least half of it, else the length
+    between the longest sample's bucket and twice that (graphs.bucket's sizes, multiples of pad_to) that pads the
+    fewest tokens: rows of two or three short samples waste less than rows of one. align: pack_rows' (0: a sample a
+    row).
     -> (T, pack_rows' rows, [rows of each micro-batch])"""
     longest = -(-bucket(max(lengths), 8) // pad_to) * pad_to
-    lengths_ok = [t for t in range(longest, 2 * longest + 1) if t % pad_to == 0 and bucket(t, 8) == t]
+    lengths_ok = [t for t in range(longest, 2 * longest + 1) if t % pad_to == 0 and bucket(t, 8) == t] or [longest]
 
     def plan(T):
         rows = pack_rows(lengths, align, row_len=T)[1] if align else [[(i, 0)] for i in range(len(lengths))]
@@ -116,7 +117,7 @@ def plan_microbatches(lengths, align, tokens, pad_to=1, row_len=0):
 
 def n_rows(groups, pack=0, pad_to=1):
     """How many rows make_microbatches lays these groups' samples out in: one a sample, or fewer packed."""
-    lengths = [len(p) + len(s["output_ids"]) for p, ss, _ in groups for s in ss]
+    lengths = sample_lengths(groups)
     return len(pack_rows(lengths, pack, pad_to)[1]) if pack else len(lengths)
 
 
