@@ -121,6 +121,16 @@ def n_rows(groups, pack=0, pad_to=1):
     return len(pack_rows(lengths, pack, pad_to)[1]) if pack else len(lengths)
 
 
+def count_microbatches(groups, n_micro, pack=0, tokens=0, pad_to=1, row_len=0):
+    """-> (how many micro-batches make_microbatches lays these groups out in, its row length): with tokens,
+    plan_microbatches' (row_len kept while it fits), else n_micro or fewer where there are fewer rows. DP ranks then
+    run as many: with tokens the most any rank needs, else the fewest (every rank's count reduced by MAX or MIN)."""
+    if tokens:
+        T, _, sizes = plan_microbatches(sample_lengths(groups), pack, tokens, pad_to, row_len)
+        return len(sizes), T
+    return min(n_micro, n_rows(groups, pack, pad_to)), row_len
+
+
 def sample_lengths(groups):
     """Each sample's tokens, prompt and response, in make_microbatches' order."""
     return [len(p) + len(s["output_ids"]) for p, ss, _ in groups for s in ss]

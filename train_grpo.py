@@ -79,8 +79,7 @@ pp_size = 1  # pipeline stages
 ep_size = 1  # expert-parallel ranks, carved out of data parallel
 pp_layers = ''  # e.g. '11,11,11,10'; '' = balanced
 n_microbatches = 1  # per DP rank, without a token budget; the default trains its batch at once; PP wants several
-micro_batch_tokens = 0  # > 0: micro-batches of this many tokens (rows x the step's row length), as many as the samples
-# need, shapes that hold still (grpo.plan_microbatches); 0: 16384 where training graphs run, else n_microbatches a step
+micro_batch_tokens = 0  # > 0: micro-batches of so many tokens (grpo.plan_microbatches); 0: 16384 with graphs, else none
 recompute = False  # recompute each layer's activations in backward instead of keeping them
 loss_chunk = 1024  # tokens whose head logits exist at once in the loss (chunked_head.py): its memory, any length
 optimizer_offload = False  # AdamW's fp32 master weights and moments in host memory
@@ -250,9 +249,8 @@ except ValueError as e:
 split = [int(x) for x in pp_layers.split(',')] if pp_layers else None
 if dry_run:  # the layout of the whole job on the meta device, no hardware; its longest micro-batch's rows: a DP rank's
     world = int(os.environ.get('WORLD_SIZE', dry_run_world))  # samples of a step, dealt by grpo.make_microbatches
-    micro = math.ceil(math.ceil(n_prompts * n_samples / (world // pp_size)) / n_microbatches)
-    if micro_batch_tokens:  # rows of the longest sample
-        micro = max(1, micro_batch_tokens // (max_prompt_len + max_new_tokens))
+    micro = (max(1, micro_batch_tokens // (max_prompt_len + max_new_tokens)) if micro_batch_tokens  # longest rows
+             else math.ceil(math.ceil(n_prompts * n_samples / (world // pp_size)) / n_microbatches))
     print(plan_table(args, pp_size, ep_size, world, micro, max_prompt_len + max_new_tokens, recompute,
                      n_microbatches, pp_layers=split, loss_chunk=loss_chunk, entropy_grad=entropy_coef > 0))
     sys.exit(0)
@@ -262,8 +260,6 @@ watchdog = faults.Watchdog(watchdog_s, grid.rank)
 preempt = faults.Preemption()
 skips = faults.Skips(max_consecutive_skips)
 is_logger = grid.is_last_stage and grid.dp_rank == 0  # the loss lives on the last stage
-
-
 print0 = lambda *a: print(*a, flush=True) if master else None
 torch.manual_seed(seed)
 random.seed(seed)
@@ -286,12 +282,12 @@ if cache := compile_policy.use_compile(compile, compile_cache):
     compile_policy.compile_model(model)  # its blocks, head and head + loss: the loss below is traced into it
     print0(f"compile cache: {cache}")
 graphs = StepGraphs(model, grid, log=print0) if (why := why_not(grid, model, train_graphs)) is None else None
-print0(f"train graphs: {'on' if graphs else f'off ({why})'}")
+mb_tokens = micro_batch_tokens or (16384 if graphs else 0)  # graphs replay fixed shapes: a token budget
+print0(f"train graphs: {'on' if graphs else f'off ({why})'} | micro-batches: "
+       f"{f'{mb_tokens} tokens each' if mb_tokens else f'{n_microbatches} a step'}")
 pad_to = length_multiple(args) if compile == 'layers' else 1  # micro-batch lengths
 pack = pack_multiple(args) if pack_samples else 0  # where a packed sample may start (a multiple of every ratio)
-mb_tokens = micro_batch_tokens or (16384 if graphs else 0)  # graphs replay fixed shapes: a token budget
 row_len = 0  # the token budget's row length, kept from step to step while the samples fit it (plan_microbatches)
-print0(f"micro-batches: {f'{mb_tokens} tokens each' if mb_tokens else f'{n_microbatches} a step'}")
 # the servers' ids we replay
 replayed = replay.columns(args, model.layers, replay.fields(routing_replay, indexer_replay))
 for name, p in model.named_parameters():  # MTP is not trained here; the router optionally frozen
@@ -305,12 +301,7 @@ order = list(range(len(problems)))  # the data stream, one for every layout, cyc
 random.Random(seed).shuffle(order)
 cursor = 0  # the next position in the stream (saved in checkpoints)
 keep_rate = 1.0  # the share of groups dynamic sampling kept in the last step, of every rank (saved in checkpoints)
-
-
-def encode(problem):
-    return prompt_ids(tok, problem['prompt'])[-max_prompt_len:]
-
-
+encode = lambda problem: prompt_ids(tok, problem['prompt'])[-max_prompt_len:]  # noqa: E731 (as print0)
 start_step, weight_version = 0, 0  # the embedded server starts from the trainer's weights, labelled with their version
 if resume_dir:
     st = checkpoint.load_state(resume_dir, grid)
@@ -556,26 +547,19 @@ for step in range(start_step, max_steps):
         for g in opt.param_groups:
             g['lr'] = rec['lr']
         samples = [s for part in parts for _, ss, _ in part for s in ss]
-        norm_local = len(samples)  # the loss is a mean over samples, or (token_mean) over tokens
-        if loss_agg == 'token_mean':
-            norm_local = sum(len(s['output_ids']) for s in samples)
+        # the loss is a mean over samples, or (token_mean) over tokens
+        norm_local = sum(len(s['output_ids']) for s in samples) if loss_agg == 'token_mean' else len(samples)
         norm_local = torch.tensor(float(norm_local), device=grid.device)
         norm = float(parallel.all_reduce(norm_local, grid.dp_group, 'loss norm'))
         parts = [part or [inert_group(encode(problems[0]))] for part in parts]  # a rank short of groups runs one
-        # as many micro-batches on every DP rank (expert-parallel peers run each one together): with a token budget
-        # the most any rank needs, else n_microbatches or the fewest rows
-        rows, lens = [], []  # each part's micro-batches (rows without a token budget) and row length
+        plans = []  # as many micro-batches on every DP rank (expert-parallel peers run each one together)
         for part in parts:
-            if mb_tokens:
-                row_len, _, sizes = grpo.plan_microbatches(grpo.sample_lengths(part), pack, mb_tokens, pad_to, row_len)
-                rows.append(float(len(sizes)))
-            else:
-                rows.append(float(min(n_microbatches, grpo.n_rows(part, pack, pad_to))))
-            lens.append(row_len)
-        op = dist.ReduceOp.MAX if mb_tokens else dist.ReduceOp.MIN
-        counts = parallel.all_reduce(torch.tensor(rows, device=grid.device), grid.dp_group, 'micro-batches', op=op)
+            plans.append(grpo.count_microbatches(part, n_microbatches, pack, mb_tokens, pad_to, row_len))
+            row_len = plans[-1][1]
+        counts = parallel.all_reduce(torch.tensor([float(n) for n, _ in plans], device=grid.device), grid.dp_group,
+                                     'micro-batches', op=dist.ReduceOp.MAX if mb_tokens else dist.ReduceOp.MIN)
         minis = [make_microbatches(part, int(n), norm / n_minibatches, loss_agg, grid.device, pad_to, replayed, args,
-                                   pack, mb_tokens, T) for part, n, T in zip(parts, counts.tolist(), lens)]
+                                   pack, mb_tokens, T) for part, n, (_, T) in zip(parts, counts.tolist(), plans)]
         rec.update(grpo.layout_metrics(parts, minis, grid))
         if n_minibatches > 1:  # the old policy's logprobs, before any of this rollout's updates
             for mbs in minis:

@@ -190,14 +190,10 @@ for step in range(max_steps):
     n_tokens = sum(len(r) for _, r in pairs)  # the loss is a mean over every solution token of the global batch
     mine = pairs[grid.dp_rank::grid.dp_size]
     groups = [(p, [{'output_ids': r, 'logprobs': [0.0] * len(r)}], [1.0]) for p, r in mine]
-    # as many micro-batches on every DP rank (expert-parallel peers run each one together): with a token budget the
-    # most any rank needs, else n_microbatches or the fewest rows
-    if mb_tokens:
-        row_len, _, sizes = grpo.plan_microbatches(grpo.sample_lengths(groups), pack, mb_tokens, 1, row_len)
-        n, op = len(sizes), torch.distributed.ReduceOp.MAX
-    else:
-        n, op = min(n_microbatches, grpo.n_rows(groups, pack)), torch.distributed.ReduceOp.MIN
-    n = parallel.all_reduce(torch.tensor(float(n), device=grid.device), grid.dp_group, 'micro-batches', op=op).item()
+    # as many micro-batches on every DP rank (expert-parallel peers run each one together)
+    n, row_len = grpo.count_microbatches(groups, n_microbatches, pack, mb_tokens, 1, row_len)
+    n = parallel.all_reduce(torch.tensor(float(n), device=grid.device), grid.dp_group, 'micro-batches',
+                            op=torch.distributed.ReduceOp.MAX if mb_tokens else torch.distributed.ReduceOp.MIN).item()
     mbs = grpo.make_microbatches(groups, int(n), float(n_tokens), 'token_mean', grid.device, pack=pack,
                                  tokens=mb_tokens, row_len=row_len)
     for g in opt.param_groups:
