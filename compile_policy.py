@@ -8,14 +8,22 @@ can differ.
   'off'     eager
   'layers'  a whole layer at a time, the head and the last stage's head + loss (compile_model), and the engine's
             prefill, decode and sampler (compile_engine, compile_kv_cache)
+  'static'  as 'layers', each shape compiled on its own (dynamic=False): kernels specialised to the token-budget
+            layout's few shapes (grpo.plan_microbatches), more graphs to build
+  'background'  as 'static', compiled in a side thread while the blocks run eagerly (Background): no wait
   'graphs'  bench/bench.py only: 'layers' with the trainer's layers recorded as CUDA graphs
 
 Any mode but 'off' also keeps inductor's compiled graphs and Triton kernels in one directory the user sees
 (`compile_cache`, default out/compile_cache), so a second launch loads what the first compiled, and prints each
 library warning once.
 """
+import atexit
+import contextlib
 import functools
 import os
+import queue
+import threading
+import time
 import types
 import warnings
 
@@ -25,7 +33,7 @@ import engine as engine_module
 import kv_cache
 import model_dsv4
 
-MODES = ("off", "layers", "graphs")
+MODES = ("off", "layers", "static", "background", "graphs")
 
 
 def use_compile(mode, cache_dir="out/compile_cache"):
@@ -37,7 +45,8 @@ def use_compile(mode, cache_dir="out/compile_cache"):
         return None
     warn_once()
     import torch._inductor.config  # here: importing inductor takes seconds, and most runs stay eager
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
+    # kinds of layer x shapes (x grad modes where each shape has its own graph)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32 if mode == "layers" else 96)
     # inductor's pad_mm pass weighs a GEMM's arithmetic intensity on the symbolic sizes and so guards on batch x
     # length (a prefill compiled again at a new shape); V4's dims and the padded lengths are multiples of 64 already
     torch._inductor.config.shape_padding = False
@@ -72,7 +81,7 @@ def warn_once():
     warnings.showwarning = show_once
 
 
-def compile_model(model, mode="layers", backend="inductor"):
+def compile_model(model, mode="layers", backend="inductor", log=print):
     """Whole layers compiled where a step is bound by launching small kernels: each block's forward (one compiled
     function for all: layers of one kind, window / CSA / HCA with a hash or learned router, share a graph, since a
     module's parameters are inputs of the graph, not constants), the head (Transformer.logits: hc_head's collapse, the
@@ -87,8 +96,13 @@ def compile_model(model, mode="layers", backend="inductor"):
     mode='graphs' records each layer's forward and backward as CUDA graphs (inductor's reduce-overhead), so the host
     no longer launches every kernel. It asks for static shapes, no host sync inside a layer, and each forward's
     backward before the next forward; train_grpo.py's schedule (micro-batches in flight, recompute, a new length every
-    batch) is not checked against that, so only bench/bench.py offers it. Returns the model."""
-    trainer = lambda f: _dynamic_dims(torch.compile(f, backend=backend))
+    batch) is not checked against that, so only bench/bench.py offers it. mode='background': the blocks through
+    Background (model.background), the head eager; log takes its lines. Returns the model."""
+    if mode == "background":  # the blocks only: the head and loss, compiled in the trainer's thread, would wait
+        model.background = Background(model, backend, log)
+        return model
+    trainer = ((lambda f: torch.compile(f, backend=backend, dynamic=False)) if mode == "static" else
+               (lambda f: _dynamic_dims(torch.compile(f, backend=backend))))
     T = model_dsv4.Transformer
     block = (torch.compile(model_dsv4.Block.forward, backend=backend, mode="reduce-overhead") if mode == "graphs"
              else trainer(model_dsv4.Block.forward))
@@ -139,3 +153,83 @@ def _dynamic_dims(compiled, dims=2):
                         torch._dynamo.maybe_mark_dynamic(t, d)
         return compiled(*args, **kwargs)
     return run
+
+
+class Background:
+    """compile='background': the blocks compiled off the critical path. A block runs eagerly at a shape until a side
+    thread has compiled that shape, then its compiled graph; each shape (the inputs' sizes, grad mode) has a graph of
+    its own (dynamic=False), and the token-budget layout brings a handful (grpo.plan_microbatches).
+
+    A shape's first forward through the model leaves each block's inputs (detached copies; the first block's streams
+    stand for every block's) to the thread, which runs each block's compiled forward on them, and its backward with
+    respect to those inputs alone (torch.autograd.grad), so no parameter's .grad moves. Dynamo keys its graphs by the
+    code and its guards, not by the caller: the trainer's next call at that shape finds them. `version` counts the
+    shapes made ready; graphs.StepGraphs captures again when it grows, so its graphs take the compiled kernels. The
+    thread's GPU work runs on a stream of its own, and StepGraphs captures thread-locally. A failure in the thread
+    leaves every block eager, said once in the log."""
+
+    def __init__(self, model, backend="inductor", log=print):
+        self.compiled = torch.compile(model_dsv4.Block.forward, backend=backend, dynamic=False)
+        self.n_layers, self.log = len(model.layers), log
+        self.ready, self.seen, self.pending = set(), set(), {}  # shape keys: compiled, handed over, being gathered
+        self.version, self.failed, self.closing = 0, None, False
+        self.jobs = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self.work, daemon=True, name="background compile")
+        self.thread.start()
+        atexit.register(self.close)
+        for layer in model.layers.values():
+            layer.forward = types.MethodType(self.forward, layer)
+
+    def forward(self, layer, x, ids, **kw):
+        key = (tuple(x.shape), x.requires_grad, tuple(ids.shape), torch.is_grad_enabled(),
+               tuple((k, tuple(v.shape) if torch.is_tensor(v) else v is None) for k, v in sorted(kw.items())))
+        if key in self.ready:
+            return self.compiled(layer, x, ids, **kw)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if key not in self.seen and self.failed is None and not capturing:
+            copy = lambda v: v.detach().clone() if torch.is_tensor(v) else v
+            job = self.pending.setdefault(key, ({}, copy(x).requires_grad_(x.requires_grad), copy(ids)))
+            job[0][id(layer)] = (layer, {k: copy(v) for k, v in kw.items()})
+            if len(job[0]) == self.n_layers:  # every block has been called at this shape: hand it over
+                self.seen.add(key)
+                self.jobs.put((key, self.pending.pop(key)))
+        return model_dsv4.Block.forward(layer, x, ids, **kw)
+
+    def work(self):
+        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        while (job := self.jobs.get()) is not None and not self.closing:
+            key, (layers, x, ids) = job
+            t0 = time.perf_counter()
+            try:
+                with torch.cuda.stream(stream) if stream else contextlib.nullcontext(), torch.set_grad_enabled(key[3]):
+                    for layer, kw in layers.values():
+                        out = self.compiled(layer, x, ids, **kw)
+                        if out.requires_grad:
+                            torch.autograd.grad(out, x, torch.ones_like(out))
+                    if stream is not None:
+                        stream.synchronize()
+            except Exception as e:  # noqa: BLE001  (any failure: the blocks stay eager, which is always right)
+                self.failed = f"{type(e).__name__}: {str(e)[:300]}"
+                if not self.closing:  # at exit torch's compiler may refuse to start: nothing to say
+                    self.log(f"background compile failed, the blocks stay eager: {self.failed}")
+                return
+            self.ready.add(key)
+            self.version += 1
+            self.log(f"background compile: blocks at {'x'.join(map(str, key[0][:2]))} tokens "
+                     f"({'forward + backward' if key[3] else 'forward'}) ready in {time.perf_counter() - t0:.0f} s")
+
+    def close(self):
+        """At exit: the shape being compiled is finished, no other one started (the process aborts if it ends while
+        the thread is inside torch's compiler)."""
+        self.closing = True
+        self.jobs.put(None)
+        if self.thread.is_alive() and len(self.ready) < len(self.seen) and self.failed is None:
+            self.log("background compile: finishing the shape under way before the exit")
+        self.thread.join()
+
+    def join(self, timeout=None):
+        """Waits until every shape handed over so far is compiled (tests, benchmarks). -> True if none is left."""
+        end = time.perf_counter() + (timeout if timeout is not None else float("inf"))
+        while len(self.ready) < len(self.seen) and self.failed is None and time.perf_counter() < end:
+            time.sleep(0.05)
+        return len(self.ready) == len(self.seen)

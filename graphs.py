@@ -17,6 +17,8 @@ How, as Megatron-core's whole-iteration graphs but with the optimizer outside:
 - gradients accumulate in place into tensors kept from one step to the next, which the graphs write: taken from the
   first backward (the experts' stacked gradients and their views included), zeroed and handed back to the
   parameters before each step (AdamW.step takes them away);
+- compile='background' (compile_policy.Background): blocks turn compiled shape by shape while the run goes on; each
+  time more are ready, the graphs are captured again, so they replay the compiled kernels;
 - the optimizer's step and a weight load write into the parameters in place, where the graphs read them;
 - all graphs share one memory pool: they run one at a time, and their outputs are copied out before the next one.
 More than max_graphs buckets (a run whose lengths keep moving): the rest run eager, and the step's metrics count them.
@@ -66,6 +68,8 @@ class StepGraphs:
 
     def __init__(self, model, grid, max_graphs=16, log=print):
         self.model, self.grid, self.max_graphs, self.log = model, grid, max_graphs, log
+        # compile='background' (compile_model's model.background) and how many shapes it had ready at the last check
+        self.compiled, self.compiled_seen = getattr(model, "background", None), 0
         self.graphs = {}  # key -> (graph, static inputs, static outputs)
         self.grads = None  # [(leaf, its gradient)]: what every backward accumulates into, kept across steps
         self.pool, self.where = None, None  # the graphs' memory pool; the parameters' addresses they read
@@ -102,6 +106,12 @@ class StepGraphs:
             self.log(f"train graphs: the parameters moved, capturing {len(self.graphs)} graphs again")
             self.graphs, self.grads, self.pool = {}, None, None
         self.where = where
+        ready = self.compiled.version if self.compiled is not None else 0
+        if ready != self.compiled_seen and self.graphs:  # blocks compiled since: graphs that run them, not eager
+            self.log(f"train graphs: compiled blocks ready at {ready - self.compiled_seen} more shapes, capturing "
+                     f"{len(self.graphs)} graphs again")
+            self.graphs, self.pool = {}, None
+        self.compiled_seen = ready
 
     def take_counts(self):
         """Micro-batches replayed, captured (their eager first run) and run eager since the last call."""
@@ -151,7 +161,8 @@ class StepGraphs:
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread-local: compile_policy.Background's thread may work on the GPU (on its own stream) meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 static_out = self.call(static, fn, recompute, grad)
         except RuntimeError as e:  # something in the step reads the device on the host: eager from here on
             self.failed = f"{type(e).__name__}: {str(e)[:300]}"

@@ -67,7 +67,7 @@ sft_config = 'config/sft_micro.py'  # init_from='': the base's recipe, for train
 model_config = 'config/models/micro.json'  # init_from='scratch': the architecture
 dtype = 'float32'  # 'float32' | 'bfloat16' (parameters and activations; fp32 islands stay fp32)
 kernels = 'auto'  # 'auto': the fast paths (dsv4_kernels/) that pass kernel_check.py on this GPU | 'fast' | 'reference'
-compile = 'off'  # 'layers': the trainer's layers, head and loss torch.compiled (compile_policy.py)
+compile = 'off'  # 'layers': layers, head, loss compiled | 'background': blocks, in a side thread (compile_policy.py)
 rollout_compile = 'off'  # the embedded server: 'off' replays CUDA graphs of its eager decode; 'layers' compiles first
 train_graphs = 'off'  # 'auto': a micro-batch's forward and backward replayed as a CUDA graph on one GPU (graphs.py)
 compile_cache = 'out/compile_cache'  # inductor / Triton caches for the next launch (TORCHINDUCTOR_CACHE_DIR wins)
@@ -173,7 +173,7 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
         'rollout_quant': ('none', 'fp8', 'fp8_fp4'), 'train_quant': ('none', 'fp8'),
         'lr_schedule': ('constant', 'cosine'),
         'kernels': ('auto', 'fast', 'reference'),
-        'compile': ('off', 'layers'),
+        'compile': ('off', 'layers', 'background'),
         'rollout_compile': ('off', 'layers'), 'train_graphs': ('auto', 'off'),
     }
     positive = ['n_prompts', 'n_samples', 'max_prompt_len', 'max_new_tokens', 'n_microbatches', 'n_minibatches',
@@ -195,8 +195,8 @@ try:  # bad config is a usage error: say it and exit 2, before anything is built
     for _k in ('compile', 'rollout_compile'):
         if invariant and globals()[_k] != 'off':  # a Python dispatch mode per op; compiled graphs would bypass it
             raise ValueError(f"invariant=True runs eager: set {_k}='off'")
-        if globals()[_k] == 'layers' and not dry_run and not torch.cuda.is_available():  # inductor's C++: no CPU build
-            raise ValueError(f"{_k}='layers' needs a GPU; on the CPU use {_k}='off'")
+        if globals()[_k] != 'off' and not dry_run and not torch.cuda.is_available():  # inductor's C++: no CPU build
+            raise ValueError(f"{_k}={globals()[_k]!r} needs a GPU; on the CPU use {_k}='off'")
     if not dry_run:  # read now: data that is not there stops the run before a base is trained or any model built
         problems = load_task(data, 'train', 'data')
         eval_problems = load_task(eval_data, 'test', 'eval_data')[:eval_limit or None]
@@ -279,7 +279,7 @@ kernel_paths = choose_kernels(kernels, args, grid.device, ptype, print0, kernel_
 model.set_kernels(kernel_paths).set_invariant(invariant).set_fp8_training(train_quant == 'fp8')
 model.loss_chunk, model.temperature = loss_chunk, temperature  # the loss's logprobs are the rollouts' (engine.py)
 if cache := compile_policy.use_compile(compile, compile_cache):
-    compile_policy.compile_model(model)  # its blocks, head and head + loss: the loss below is traced into it
+    compile_policy.compile_model(model, compile, log=print0)  # blocks (head, loss: traced in, with 'layers')
     print0(f"compile cache: {cache}")
 graphs = StepGraphs(model, grid, log=print0) if (why := why_not(grid, model, train_graphs)) is None else None
 mb_tokens = micro_batch_tokens or (16384 if graphs else 0)  # graphs replay fixed shapes: a token budget

@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)  # the project's modules, wherever this runs from
 import compile_policy  # noqa: E402
 import graphs  # noqa: E402
 import parallel  # noqa: E402
+import trace_summary  # noqa: E402  (beside this file)
 from checkpoint import save_pretrained, save_weights  # noqa: E402
 from kernel_check import choose as choose_kernels  # noqa: E402
 from model_dsv4 import ModelArgs, Transformer  # noqa: E402
@@ -46,9 +47,9 @@ p.add_argument("--bucket_mb", type=float, default=512, help="sync: bucket size (
 p.add_argument("--tmp", default=None, help="sync: directory for the disk transport (default: the system's temp dir)")
 p.add_argument("--kernels", default="auto", choices=["auto", "fast", "reference"],
                help="dsv4_kernels/'s fast paths (auto: those that pass kernel_check.py on this GPU) or the reference")
-p.add_argument("--compile", default="off", choices=["off", "layers", "graphs"],
-               help="compile_policy.compile_model (and compile_engine for decode): layers; graphs: with CUDA graphs "
-                    "of each layer's forward and backward, GPU only")
+p.add_argument("--compile", default="off", choices=list(compile_policy.MODES),
+               help="compile_policy.compile_model (and compile_engine for decode): layers; static: one graph a shape; "
+                    "graphs: with CUDA graphs of each layer's forward and backward, GPU only")
 p.add_argument("--train_graphs", action="store_true", help="train: ours as the trainer replays a micro-batch on one "
                "GPU (graphs.StepGraphs: forward, loss and backward captured whole, after one eager run); with "
                "--compile=layers, of the compiled layers")
@@ -149,6 +150,7 @@ def profiled(fn, device, reps, trace="", **kw):
         print_gaps(prof)
     if trace:
         prof.export_chrome_trace(trace)
+    return prof
 
 
 def print_gaps(prof, top=12):
@@ -422,6 +424,12 @@ def bench_train(ours, ref, args, device, dtype, versions):
         step_graphs = graphs.StepGraphs(ours, None, log=lambda *a: None)
         ours_step = lambda m, x: step_graphs.train(m, None, [{"input_ids": x, "tgt": x.roll(-1, 1)}],  # noqa: F811
                                                    next_token)
+    if cli.compile == "background":  # a first step hands its shape to the thread; the timing starts once it is compiled
+        t0 = time.perf_counter()
+        ours_step(ours, ids)
+        ours.zero_grad(set_to_none=True)
+        print(f"  background compile: {ours.background.join() and time.perf_counter() - t0:.1f} s after the first "
+              f"step began", flush=True)
     ref_step = lambda m, x: F.cross_entropy(m(x).logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten()).backward()
     for name, model, step in (("nano-dsv4-rl", ours, ours_step), ("transformers", ref, ref_step))[:2 - cli.no_peer]:
         base = torch.cuda.memory_allocated() if cuda else 0
@@ -434,9 +442,10 @@ def bench_train(ours, ref, args, device, dtype, versions):
               f"(host issued it in {host * 1e3:.0f} ms{mem}; the first call {first:.1f} s)", flush=True)
     if ref is not None:
         print(f"  ratio ours / transformers: {results['transformers'] / results['nano-dsv4-rl']:.2f}x")
-    if cli.profile:
-        profiled(lambda: time_train(ours, ids, ours_step, 1, 0, device), device, 1, cli.trace,
-                 record_shapes=bool(cli.trace), with_stack=bool(cli.trace))
+    if cli.profile:  # with stacks: the kernels' time by the model's part (eager; a replayed graph shows no ops)
+        prof = profiled(lambda: time_train(ours, ids, ours_step, 1, 0, device), device, 1, cli.trace,
+                        record_shapes=bool(cli.trace), with_stack=True)
+        trace_summary.by_region(prof.events())
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ graphs of the compiled layers step after step, the compiles a GRPO run's new sha
 site: one model compiled leaves the modules' functions and other models eager. The engine's side and the startup
 refusals: test_compile_engine.py. The `compile_layers` fixture: conftest.py."""
 import copy
+import threading
 from dataclasses import replace
 
 import pytest
@@ -212,3 +213,45 @@ def test_compiled_head_loss_equals_eager(compile_layers):
         assert metrics.keys() == eager_metrics.keys()
         assert all(torch.allclose(metrics[k].float(), eager_metrics[k].float(), rtol=1e-3, atol=1e-4) for k in metrics)
     assert (compiled[1][0][2] - compiled[0][0][2]).norm() > 1e-3 * compiled[0][0][2].norm()  # the bonus's gradient
+
+
+def test_background_compile_hands_over_without_touching_gradients():
+    """compile_policy.Background on the CPU (aot_eager; inductor on a GPU: test_graphs.py): a shape's first forward and
+    backward run the eager blocks and hand the shape to the side thread, which compiles it without touching any
+    parameter's gradient; from then on that shape runs the compiled graph, with eager's logits and gradients. A no-grad
+    call and another length are shapes of their own, each eager until compiled."""
+    import compile_policy
+    torch._dynamo.reset()
+    args = replace(SMALL, num_hidden_layers=2, compress_ratios=[4, 128, 0])
+    model = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,
+                       args.num_experts_per_tok, seed=4)
+    eager = copy.deepcopy(model)
+    logs, calls = [], []
+    bg = compile_policy.compile_model(model, "background", backend="aot_eager", log=logs.append).background
+    compiled = bg.compiled
+    bg.compiled = lambda *a, **kw: calls.append(threading.current_thread().name) or compiled(*a, **kw)
+    ids = torch.randint(0, args.vocab_size, (2, 256), generator=torch.Generator().manual_seed(5))
+
+    def run(m, ids=ids):
+        loss = m(ids).log_softmax(-1)[..., 3].mean()
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+        m.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+    want = run(eager)
+    first = run(model)
+    main = lambda: [c for c in calls if c == threading.main_thread().name]  # the trainer's calls of compiled blocks
+    assert main() == [] and len(bg.seen) == 1
+    assert bg.join(300) and bg.failed is None and bg.version == 1, logs
+    assert all(p.grad is None for p in model.parameters())  # the thread's backward reached only its inputs
+    assert "ready" in logs[-1]
+    second = run(model)
+    assert len(main()) == 2  # both blocks, compiled
+    for got in (first, second):
+        for a, b in zip(got, want):
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
+    with torch.no_grad():
+        model(ids)
+    run(model, ids[:, :128])
+    assert len(main()) == 2 and len(bg.seen) == 3  # new shapes run eager, handed over
+    assert bg.join(300) and bg.version == 3, logs

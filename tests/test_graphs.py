@@ -2,6 +2,7 @@
 AdamW's chunked step equal to the whole one, and on a GPU graphed GRPO steps equal to eager ones, the graphs reading
 the parameters where the optimizer and a load in place write them."""
 import copy
+import threading
 
 import pytest
 import torch
@@ -149,3 +150,44 @@ def test_graphed_grpo_steps_equal_eager():
     new = parallel.forward_only(model, grid, mbs, token_logprobs)
     for a, b, old in zip(graphs.forward_only(model, grid, mbs, token_logprobs), new, lp_eager):
         assert (a - b).abs().max() <= 0.05 < (b - old).abs().max()
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_background_compile_takes_over_the_graphs():
+    """compile='background' under StepGraphs (bf16, window / CSA / HCA layers, hash and learned routers): the first
+    step replays graphs of the eager blocks while a side thread compiles them (inductor); once it is done the graphs
+    are captured again and run the compiled blocks. Every step's loss, grad norm and gradients agree with the eager
+    schedule's from the same weights within bf16, and the no-grad logprob pass compiles and agrees too."""
+    import compile_policy
+    grid = parallel.init_distributed(1, 1)
+    base = small_model("cuda", torch.bfloat16)
+    steps = [grpo_microbatches(s, 240, device="cuda") for s in (1, 2, 3)]
+    runs, logs = [], []
+    for background in (False, True):
+        torch._dynamo.reset()
+        model, calls = copy.deepcopy(base), []
+        opt = Spy(model.parameters(), lr=1e-3)
+        graphs = None
+        if background:
+            compile_policy.compile_model(model, "background", log=logs.append)
+            compiled = model.background.compiled
+            model.background.compiled = lambda *a, **kw: calls.append(threading.current_thread().name) or compiled(*a, **kw)
+            graphs = StepGraphs(model, grid, log=logs.append)
+        out = []
+        for i, mbs in enumerate(steps):
+            m = parallel.train_step(model, grid, opt, mbs, grpo_loss, 1.0, graphs.train if graphs else "1f1b", False)
+            out.append((m["loss"], m["grad_norm"], opt.seen, calls.count(threading.main_thread().name)))
+            if background and i == 0:
+                assert model.background.join(600) and model.background.failed is None, logs
+        runs.append((model, graphs, out))
+    (_, _, e_out), (model, graphs, g_out) = runs
+    assert g_out[0][3] == 0 < g_out[1][3], g_out  # eager blocks in the first step, compiled ones from the second
+    assert any("ready" in line for line in logs) and any("capturing" in line for line in logs), logs
+    for (l0, n0, g0, _), (l1, n1, g1, _) in zip(e_out, g_out):
+        assert abs(l1 - l0) <= 5e-3 + 1e-2 * abs(l0) and abs(n1 - n0) <= 2e-2 * n0, (l0, l1, n0, n1)
+        assert (g1 - g0).norm() <= 3e-2 * g0.norm(), ((g1 - g0).norm(), g0.norm())
+    lp_eager = parallel.forward_only(model, grid, steps[0], token_logprobs)
+    graphs.forward_only(model, grid, steps[0], token_logprobs)  # hands the no-grad shape over
+    assert model.background.join(600), logs
+    for a, b in zip(graphs.forward_only(model, grid, steps[0], token_logprobs), lp_eager):
+        assert a.shape == b.shape and (a - b).abs().max() <= 0.05, (a - b).abs().max()
