@@ -218,9 +218,10 @@ def test_compiled_head_loss_equals_eager(compile_layers):
 def test_background_compile_hands_over_without_touching_gradients():
     """compile_policy.Background on the CPU (aot_eager; inductor on a GPU: test_graphs.py): a shape's first forward and
     backward run the eager blocks and hand the shape to the side thread, which compiles it without touching any
-    parameter's gradient; from then on that shape runs the compiled graph, with eager's logits and gradients. A no-grad
-    call and another length are shapes of their own, each eager until compiled."""
+    parameter's gradient; from then on that shape runs the compiled graph, with eager's logits and gradients, also
+    under activation recompute. A no-grad call and another length are shapes of their own, each eager until compiled."""
     import compile_policy
+    import parallel
     torch._dynamo.reset()
     args = replace(SMALL, num_hidden_layers=2, compress_ratios=[4, 128, 0])
     model = randomize_(Transformer(copy.deepcopy(args), dtype=torch.float32), args.n_routed_experts,
@@ -232,8 +233,9 @@ def test_background_compile_hands_over_without_touching_gradients():
     bg.compiled = lambda *a, **kw: calls.append(threading.current_thread().name) or compiled(*a, **kw)
     ids = torch.randint(0, args.vocab_size, (2, 256), generator=torch.Generator().manual_seed(5))
 
-    def run(m, ids=ids):
-        loss = m(ids).log_softmax(-1)[..., 3].mean()
+    def run(m, ids=ids, recompute=None):  # recompute: through the trainer's stage, each block checkpointed
+        logits = m(ids) if recompute is None else m.logits(parallel.stage_forward(m, None, ids, recompute))
+        loss = logits.log_softmax(-1)[..., 3].mean()
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
         m.zero_grad(set_to_none=True)
@@ -247,11 +249,13 @@ def test_background_compile_hands_over_without_touching_gradients():
     assert "ready" in logs[-1]
     second = run(model)
     assert len(main()) == 2  # both blocks, compiled
-    for got in (first, second):
+    checkpointed = run(model, recompute=True)  # compiled blocks under activation recompute: run again in backward
+    assert len(main()) == 6
+    for got in (first, second, checkpointed):
         for a, b in zip(got, want):
             assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
     with torch.no_grad():
         model(ids)
     run(model, ids[:, :128])
-    assert len(main()) == 2 and len(bg.seen) == 3  # new shapes run eager, handed over
+    assert len(main()) == 6 and len(bg.seen) == 3  # new shapes run eager, handed over
     assert bg.join(300) and bg.version == 3, logs
