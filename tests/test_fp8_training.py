@@ -109,7 +109,10 @@ def test_fp8_gemm_equals_the_reference_on_a_gpu(M, N, K):
         assert fp8_kernels.usable(aq, b)
         got = fp8_kernels.blockwise_mm(aq, a_s, b, quant.e8m0_to_float(s), torch.float32)
         want = quant.act_dequant(aq, a_s, torch.float32) @ quant.fp8_block_dequantize(b, s).T
-        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (M, N, K)
+        # Hopper's FP8 tensor cores keep ~14 bits between the promotions to fp32 every 128 of K (DeepSeek-V3,
+        # arXiv 2412.19437 section 3.3.2): 1.7-2.3e-4 of the largest output at these shapes on an H200 (2026-12-07).
+        # The bound, 2^-11, is a quarter of a bf16 output's rounding step; a wrong scale block errs by > 1e-2
+        assert (got - want).abs().max() <= 2 ** -11 * want.abs().max(), (M, N, K)
         fp8_kernels.use_fp8_gemm(False)
         try:  # fp8_mm takes the kernel where it can, the reference where switched off: the same bf16 numbers
             ref = fp8_mm(aq, a_s, b, s, torch.bfloat16)
