@@ -45,8 +45,7 @@ def use_compile(mode, cache_dir="out/compile_cache"):
         return None
     warn_once()
     import torch._inductor.config  # here: importing inductor takes seconds, and most runs stay eager
-    # kinds of layer x shapes (x grad modes where each shape has its own graph)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32 if mode == "layers" else 96)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)  # kinds x shapes
     # inductor's pad_mm pass weighs a GEMM's arithmetic intensity on the symbolic sizes and so guards on batch x
     # length (a prefill compiled again at a new shape); V4's dims and the padded lengths are multiples of 64 already
     torch._inductor.config.shape_padding = False
@@ -98,6 +97,8 @@ def compile_model(model, mode="layers", backend="inductor", log=print):
     backward before the next forward; train_grpo.py's schedule (micro-batches in flight, recompute, a new length every
     batch) is not checked against that, so only bench/bench.py offers it. mode='background': the blocks through
     Background (model.background), the head eager; log takes its lines. Returns the model."""
+    if mode in ("static", "background"):  # a graph per kind of layer, shape and grad mode: past the limit, eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 96)
     if mode == "background":  # the blocks only: the head and loss, compiled in the trainer's thread, would wait
         model.background = Background(model, backend, log)
         return model
@@ -155,6 +156,12 @@ def _dynamic_dims(compiled, dims=2):
     return run
 
 
+# the backward compiled with its forward, here: compiled lazily, in its first backward, it would be compiled on the
+# autograd engine's thread for the GPU, which the trainer's backward waits for meanwhile (an option of newer torch)
+EAGER_BACKWARD = ({"force_non_lazy_backward_lowering": True}
+                  if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering") else {})
+
+
 class Background:
     """compile='background': the blocks compiled off the critical path. A block runs eagerly at a shape until a side
     thread has compiled that shape, then its compiled graph; each shape (the inputs' sizes, grad mode) has a graph of
@@ -201,7 +208,8 @@ class Background:
             key, (layers, x, ids) = job
             t0 = time.perf_counter()
             try:
-                with torch.cuda.stream(stream) if stream else contextlib.nullcontext(), torch.set_grad_enabled(key[3]):
+                with (torch.cuda.stream(stream) if stream else contextlib.nullcontext(), torch.set_grad_enabled(key[3]),
+                      torch._functorch.config.patch(**EAGER_BACKWARD)):
                     for layer, kw in layers.values():
                         out = self.compiled(layer, x, ids, **kw)
                         if out.requires_grad:
