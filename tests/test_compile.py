@@ -219,7 +219,7 @@ def test_background_compile_hands_over_without_touching_gradients():
     """compile_policy.Background on the CPU (aot_eager; inductor on a GPU: test_graphs.py): a shape's first forward and
     backward run the eager blocks and hand the shape to the side thread, which compiles it without touching any
     parameter's gradient; from then on that shape runs the compiled graph, with eager's logits and gradients, also
-    under activation recompute. A no-grad call and another length are shapes of their own, each eager until compiled."""
+    under activation recompute. A no-grad call is a shape of its own, eager until compiled."""
     import compile_policy
     import parallel
     torch._dynamo.reset()
@@ -256,6 +256,5 @@ def test_background_compile_hands_over_without_touching_gradients():
             assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
     with torch.no_grad():
         model(ids)
-    run(model, ids[:, :128])
-    assert len(main()) == 6 and len(bg.seen) == 3  # new shapes run eager, handed over
-    assert bg.join(300) and bg.version == 3, logs
+    assert len(main()) == 6 and len(bg.seen) == 2  # a new shape runs eager, handed over
+    assert bg.join(300) and bg.version == 2, logs
