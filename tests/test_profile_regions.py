@@ -1,12 +1,13 @@
 """bench/trace_summary.by_region: a profiled training step's time split by the model's part, forward and backward."""
 import os
 import sys
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from conftest import TINY
 from model_dsv4 import Transformer
-from tests.conftest import TINY
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import trace_summary  # noqa: E402
@@ -14,9 +15,10 @@ import trace_summary  # noqa: E402
 
 def test_a_steps_ops_count_for_the_parts_that_ran_them(capsys):
     torch.manual_seed(0)
-    model = Transformer(TINY, dtype=torch.float32)
+    args = replace(TINY, num_hidden_layers=3, compress_ratios=[0, 4, 16, 0], num_hash_layers=1)  # each kind once
+    model = Transformer(args, dtype=torch.float32)
     model.init_weights()
-    ids = torch.randint(0, TINY.vocab_size, (2, 64))
+    ids = torch.randint(0, args.vocab_size, (1, 64))
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         model(ids).float().logsumexp(-1).mean().backward()
     table = trace_summary.by_region(prof.events())
