@@ -171,7 +171,8 @@ def test_background_compile_takes_over_the_graphs():
         if background:
             compile_policy.compile_model(model, "background", log=logs.append)
             compiled = model.background.compiled
-            model.background.compiled = lambda *a, **kw: calls.append(threading.current_thread().name) or compiled(*a, **kw)
+            model.background.compiled = lambda *a, **kw: (calls.append(threading.current_thread().name)
+                                                          or compiled(*a, **kw))
             graphs = StepGraphs(model, grid, log=logs.append)
         out = []
         for i, mbs in enumerate(steps):
