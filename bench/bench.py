@@ -428,8 +428,9 @@ def bench_train(ours, ref, args, device, dtype, versions):
         t0 = time.perf_counter()
         ours_step(ours, ids)
         ours.zero_grad(set_to_none=True)
-        print(f"  background compile: {ours.background.join() and time.perf_counter() - t0:.1f} s after the first "
-              f"step began", flush=True)
+        done = ours.background.join()
+        took = f"{time.perf_counter() - t0:.1f} s after the first step began" if done else "failed: eager blocks"
+        print(f"  background compile: {took}", flush=True)
     ref_step = lambda m, x: F.cross_entropy(m(x).logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten()).backward()
     for name, model, step in (("nano-dsv4-rl", ours, ours_step), ("transformers", ref, ref_step))[:2 - cli.no_peer]:
         base = torch.cuda.memory_allocated() if cuda else 0
